@@ -1,0 +1,49 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   creates .venv, installs the pinned stack, runs `lmforge quickstart`
+#   make test   creates .venv, installs the pinned stack, runs the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.lmforge-installed
+# A plain `torch` requirement would pull a multi-GB CUDA build; the CPU build is pinned
+# and installed first so nothing else can choose another.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test test-fast test-integration lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/lmforge quickstart --out runs/quickstart
+
+test: install
+	$(PY) -m pytest -q -m "not gpu"
+
+test-fast: install
+	$(PY) -m pytest -q -m "not gpu and not slow"
+
+test-integration: install
+	$(PY) -m pytest -q -m "integration"
+
+lint: install
+	$(VENV)/bin/ruff check src tests bench
+	$(VENV)/bin/ruff format --check src tests bench
+	$(VENV)/bin/mypy
+
+format: install
+	$(VENV)/bin/ruff check --fix src tests bench
+	$(VENV)/bin/ruff format src tests bench
+
+bench: install
+	$(PY) bench/prep_text.py
+	$(PY) bench/train_overhead.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,1 @@
+"""Checkpoints: atomic writing, completeness checks and discovery."""

@@ -1,0 +1,141 @@
+"""Crash-safe checkpoints: a checkpoint exists completely or not at all.
+
+Writing: files go to a staging directory; a sha256 manifest of every file is written,
+then the completion marker, everything is fsynced, and one `rename` moves the
+directory to `checkpoints/step-N`. Reading: a directory counts only when its marker
+and manifest are present and every hash matches; anything else is reported, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MANIFEST_NAME = "lmforge_manifest.json"
+MARKER_NAME = "COMPLETE"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+_CHUNK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_hash_manifest(directory: Path, *, step: int) -> dict:
+    """Hash every file under `directory` into its manifest (the marker is written separately, last)."""
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        if rel in (MANIFEST_NAME, MARKER_NAME):
+            continue
+        files[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    manifest = {"step": step, "created": time.time(), "files": files}
+    _write_synced(directory / MANIFEST_NAME, json.dumps(manifest, indent=1))
+    return manifest
+
+
+def commit_checkpoint(staging: Path, final: Path, *, step: int) -> Path:
+    """Seal `staging` (manifest, then marker) and rename it to `final` in one atomic step."""
+    write_hash_manifest(staging, step=step)
+    manifest_hash = sha256_file(staging / MANIFEST_NAME)
+    _write_synced(staging / MARKER_NAME, json.dumps({"step": step, "manifest_sha256": manifest_hash}))
+    for path in staging.rglob("*"):
+        if path.is_file():
+            _fsync_path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if final.exists():
+        # Re-saving a step (after a resume) replaces the old copy; move it aside first so
+        # the new one still appears with a single rename.
+        trash = final.with_name(f".old-{final.name}-{os.getpid()}")
+        os.rename(final, trash)
+        shutil.rmtree(trash)
+    os.rename(staging, final)
+    _fsync_path(final.parent)
+    return final
+
+
+@dataclass(frozen=True)
+class CheckpointStatus:
+    path: Path
+    step: int
+    complete: bool
+    problem: str = ""
+
+
+def check_checkpoint(directory: Path, *, verify_hashes: bool = True) -> CheckpointStatus:
+    """Whether `directory` is a complete checkpoint, and if not, why."""
+    match = STEP_DIR.match(directory.name)
+    step = int(match.group(1)) if match else -1
+    marker, manifest_path = directory / MARKER_NAME, directory / MANIFEST_NAME
+    if not marker.is_file():
+        return CheckpointStatus(directory, step, False, "no completion marker (the save was interrupted)")
+    if not manifest_path.is_file():
+        return CheckpointStatus(directory, step, False, "no hash manifest")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        sealed = json.loads(marker.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return CheckpointStatus(directory, step, False, "unreadable manifest or marker")
+    if sealed.get("manifest_sha256") != sha256_file(manifest_path):
+        return CheckpointStatus(directory, step, False, "hash manifest was modified after sealing")
+    if verify_hashes:
+        for rel, entry in manifest["files"].items():
+            path = directory / rel
+            if not path.is_file():
+                return CheckpointStatus(directory, step, False, f"missing file {rel}")
+            if path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+                return CheckpointStatus(directory, step, False, f"hash mismatch in {rel}")
+    return CheckpointStatus(directory, step, True)
+
+
+def list_step_dirs(checkpoints_dir: Path) -> list[Path]:
+    """`step-N` directories, newest first (other names are never checkpoints)."""
+    if not checkpoints_dir.is_dir():
+        return []
+    found = [p for p in checkpoints_dir.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)), reverse=True)  # type: ignore[union-attr]
+
+
+def find_latest_complete(checkpoints_dir: Path) -> tuple[CheckpointStatus | None, list[CheckpointStatus]]:
+    """The newest complete checkpoint, and every newer one that was rejected (with its reason)."""
+    rejected = []
+    for directory in list_step_dirs(checkpoints_dir):
+        status = check_checkpoint(directory)
+        if status.complete:
+            return status, rejected
+        rejected.append(status)
+    return None, rejected
+
+
+def rotate_checkpoints(checkpoints_dir: Path, keep_last: int) -> list[Path]:
+    """Delete complete checkpoints beyond the newest `keep_last`; returns what was deleted."""
+    complete = [d for d in list_step_dirs(checkpoints_dir) if (d / MARKER_NAME).is_file()]
+    doomed = complete[keep_last:]
+    for directory in doomed:
+        shutil.rmtree(directory)
+    return doomed
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,258 @@
+"""Read a YAML config, apply `key=value` overrides, validate, and explain every error at once.
+
+Errors name the file, the line, the dotted key path, what is wrong and the fix
+(for an unknown key: the closest valid key). They are raised as `UserInputError`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from lmforge.config.schema import LmforgeConfig
+from lmforge.errors import UserInputError
+
+KeyPath = tuple[str, ...]
+
+# Names users bring from HF TrainingArguments, axolotl and LLaMA-Factory configs.
+FAMILIAR_NAMES = {
+    "learning_rate": "train.lr",
+    "num_train_epochs": "train.epochs",
+    "num_epochs": "train.epochs",
+    "per_device_train_batch_size": "train.micro_batch_size",
+    "micro_batch_size": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "lr_scheduler_type": "train.schedule",
+    "lr_scheduler": "train.schedule",
+    "logging_steps": "train.log_every",
+    "eval_steps": "train.eval_every",
+    "save_steps": "train.save_every",
+    "save_total_limit": "train.keep_last",
+    "resume_from_checkpoint": "train.resume",
+    "bf16": "train.precision",
+    "fp16": "train.precision",
+    "sequence_len": "data.max_length",
+    "cutoff_len": "data.max_length",
+    "block_size": "data.max_length",
+    "model_name_or_path": "model.path",
+    "base_model": "model.path",
+    "output_dir": "run.output_dir",
+}
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None, *, base: dict[str, Any] | None = None) -> LmforgeConfig:
+    """Load `path` (or start from `base`), apply dotted overrides and validate.
+
+    Raises UserInputError listing every problem with file, line and key path.
+    """
+    source = str(path) if path is not None else "<built-in config>"
+    raw: dict[str, Any] = dict(base or {})
+    lines: dict[KeyPath, int] = {}
+    if path is not None:
+        raw, lines = _read_yaml_with_lines(Path(path))
+    for override in overrides or []:
+        _apply_override(raw, override)
+        # An override's problems are reported against the override, not a YAML line.
+        lines[tuple(override.partition("=")[0].split("."))] = -1
+    try:
+        return LmforgeConfig.model_validate(raw)
+    except ValidationError as err:
+        problems = sorted((_explain(e, source, lines, raw) for e in err.errors()), key=lambda p: p[0])
+        count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
+        body = "\n".join(f"  {text}" for _, text in problems)
+        raise UserInputError(f"invalid config ({count}):\n{body}") from None
+
+
+def _read_yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[KeyPath, int]]:
+    if not path.is_file():
+        raise UserInputError(f"config file not found: {path} (pass the path of a YAML file; see examples/)")
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = yaml.safe_load(text)
+        node = yaml.compose(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise UserInputError(f"{where}: not valid YAML: {getattr(err, 'problem', err)}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserInputError(f"{path}: the top level must be a mapping of sections (run:, model:, data:, ...)")
+    lines: dict[KeyPath, int] = {}
+    _collect_lines(node, (), lines)
+    return data, lines
+
+
+def _collect_lines(node: yaml.Node | None, prefix: KeyPath, out: dict[KeyPath, int]) -> None:
+    """Map every key path in the YAML document to its 1-based line number."""
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            path = (*prefix, str(key_node.value))
+            out[path] = key_node.start_mark.line + 1
+            _collect_lines(value_node, path, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            path = (*prefix, str(i))
+            out[path] = item.start_mark.line + 1
+            _collect_lines(item, path, out)
+
+
+def _apply_override(raw: dict[str, Any], override: str) -> None:
+    """Apply one `a.b.c=value` override; the value is parsed as YAML (so 1e-4, true, [a, b] work)."""
+    key, sep, value_text = override.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise UserInputError(
+            f"bad override {override!r}: write dotted.key=value, for example train.lr=1e-4"
+        )
+    try:
+        value = yaml.safe_load(value_text) if value_text != "" else ""
+    except yaml.YAMLError:
+        value = value_text
+    node: Any = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+            continue
+        if not isinstance(node, dict):
+            raise UserInputError(f"bad override {override!r}: {part!r} is not inside a section")
+        node = node.setdefault(part, {})
+    if isinstance(node, list) and parts[-1].isdigit() and int(parts[-1]) < len(node):
+        node[int(parts[-1])] = value
+    elif isinstance(node, dict):
+        node[parts[-1]] = value
+    else:
+        raise UserInputError(f"bad override {override!r}: {parts[-2]!r} is not a section")
+
+
+def _explain(error: Any, source: str, lines: dict[KeyPath, int], raw: dict[str, Any]) -> tuple[int, str]:
+    """(line, "file:line: key: problem; fix") for one validation error."""
+    loc = tuple(str(p) for p in error["loc"])
+    key = ".".join(loc) if loc else "(config)"
+    line = _nearest_line(loc, lines)
+    if line == -1:
+        where = f"override {key}"
+    else:
+        where = f"{source}:{line}: {key}" if line else f"{source}: {key}"
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        suggestion = _closest_key(loc)
+        hint = f"; did you mean '{suggestion}'?" if suggestion else "; remove it (see `lmforge config schema`)"
+        return max(line or 0, 0), f"{where}: unknown key{hint}"
+    if kind == "missing":
+        return max(line or 0, 0), f"{where}: required key is missing; add it (see `lmforge config schema`)"
+    message = error["msg"].removeprefix("Value error, ")
+    if loc and kind != "value_error":
+        message = f"{message}, got {_value_at(raw, loc)!r}"
+    return max(line or 0, 0), f"{where}: {message}"
+
+
+def _nearest_line(loc: KeyPath, lines: dict[KeyPath, int]) -> int | None:
+    for n in range(len(loc), 0, -1):
+        if loc[:n] in lines and (lines[loc[:n]] != -1 or n == len(loc)):
+            return lines[loc[:n]]
+    return None
+
+
+def _value_at(raw: Any, loc: KeyPath) -> Any:
+    node = raw
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _closest_key(loc: KeyPath) -> str | None:
+    """The valid dotted key closest to an unknown one: the exact name in another section,
+    else a near spelling in the same section, else a near spelling anywhere."""
+    every = _all_key_paths(LmforgeConfig)
+    exact = [p for p in every if p.split(".")[-1] == loc[-1]]
+    if exact:
+        return exact[0]
+    if loc[-1] in FAMILIAR_NAMES:
+        return FAMILIAR_NAMES[loc[-1]]
+    model = _section_model(loc[:-1])
+    candidates = {}
+    if model is not None:
+        prefix = ".".join(loc[:-1])
+        for name in model.model_fields:
+            candidates[name] = f"{prefix}.{name}" if prefix else name
+    match = difflib.get_close_matches(loc[-1], list(candidates), n=1, cutoff=0.5)
+    if match:
+        return candidates[match[0]]
+    match = difflib.get_close_matches(loc[-1], [p.split(".")[-1] for p in every], n=1, cutoff=0.8)
+    if match:
+        return next(p for p in every if p.split(".")[-1] == match[0])
+    return None
+
+
+def _section_model(loc: KeyPath) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = LmforgeConfig
+    for part in loc:
+        if model is None or part.isdigit():
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        model = _model_in_annotation(field.annotation)
+    return model
+
+
+def _model_in_annotation(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _model_in_annotation(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _all_key_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    paths = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}.{name}" if prefix else name
+        paths.append(path)
+        sub = _model_in_annotation(field.annotation)
+        if sub is not None:
+            paths.extend(_all_key_paths(sub, path))
+    return paths
+
+
+def schema_rows(model: type[BaseModel] = LmforgeConfig, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key path, type, default, description) for every key, for `lmforge config schema`."""
+    rows = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}.{name}" if prefix else name
+        sub = _model_in_annotation(field.annotation)
+        default = "" if field.is_required() else _default_text(field)
+        type_text = "section" if sub is not None and sub is field.annotation else _type_text(field.annotation)
+        rows.append((path, type_text, default, field.description or ""))
+        if sub is not None:
+            rows.extend(schema_rows(sub, path))
+    return rows
+
+
+def _default_text(field: Any) -> str:
+    value = field.get_default(call_default_factory=True)
+    if isinstance(value, BaseModel):
+        return ""
+    return repr(value) if not isinstance(value, Path) else str(value)
+
+
+def _type_text(annotation: Any) -> str:
+    if typing.get_origin(annotation) is typing.Literal:
+        return " | ".join(str(choice) for choice in typing.get_args(annotation))
+    if typing.get_origin(annotation) is list:
+        return f"list of {_type_text(typing.get_args(annotation)[0])}"
+    text = getattr(annotation, "__name__", None) or str(annotation)
+    return text.replace("typing.", "").replace("lmforge.config.schema.", "")

@@ -1,0 +1,50 @@
+"""Keep secrets out of everything lmforge writes: config dumps, manifests, logs.
+
+A value is secret when its key is named like a credential (token, api_key, secret,
+password, ...) or when it equals the value of a credential-looking environment
+variable (WANDB_API_KEY, HF_TOKEN, ...), wherever it appears.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+REDACTED = "***REDACTED***"
+_SECRET_NAME = re.compile(r"(token|secret|passw(or)?d|api[_-]?key|access[_-]?key|private[_-]?key|credential|webhook)", re.I)
+# Keys that contain a secret-looking word but hold no secret.
+_NOT_SECRET_KEYS = {"max_new_tokens", "tokenizer", "pad_token", "eos_token", "bos_token", "unk_token", "tokens"}
+_MIN_SECRET_LEN = 6
+
+
+def is_secret_key(key: str) -> bool:
+    return key not in _NOT_SECRET_KEYS and not key.endswith("_tokens") and bool(_SECRET_NAME.search(key))
+
+
+def secret_env_values(environ: dict[str, str] | None = None) -> set[str]:
+    """Values of environment variables whose names look like credentials."""
+    env = os.environ if environ is None else environ
+    return {v for k, v in env.items() if is_secret_key(k) and len(v) >= _MIN_SECRET_LEN}
+
+
+def redact(value: Any, *, secrets: set[str] | None = None, key: str = "") -> Any:
+    """Return a copy of a JSON-like value with secrets replaced by REDACTED."""
+    secrets = secret_env_values() if secrets is None else secrets
+    if key and is_secret_key(key) and value not in (None, "", False):
+        return REDACTED
+    if isinstance(value, dict):
+        return {k: redact(v, secrets=secrets, key=str(k)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact(v, secrets=secrets) for v in value]
+    if isinstance(value, str):
+        return redact_text(value, secrets)
+    return value
+
+
+def redact_text(text: str, secrets: set[str] | None = None) -> str:
+    """Replace every occurrence of a known secret value inside free text (log lines, messages)."""
+    for secret in secrets if secrets is not None else secret_env_values():
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text

@@ -1,0 +1,173 @@
+"""The typed config tree: one pydantic model per section of PRODUCT.md.
+
+Every field's description is its help text (`lmforge config schema` prints them).
+Only keys that have an effect exist; unknown keys are errors (`extra="forbid"`).
+Each stage receives its own section (`cfg.data`, `cfg.train`, ...), never the root.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = Field("run", description="Run name; the run directory is <output_dir>/<name>.", min_length=1)
+    output_dir: Path = Field(Path("runs"), description="Parent directory of run directories.")
+    seed: int = Field(42, description="Seed for model init, data order and dropout.")
+    overwrite: bool = Field(
+        False,
+        description="Delete an existing run directory that holds no checkpoint to resume from, instead of refusing.",
+    )
+
+    @property
+    def dir(self) -> Path:
+        return self.output_dir / self.name
+
+
+class ModelConfig(Section):
+    preset: str | None = Field(
+        None, description="Named tiny architecture built from scratch: llama-tiny, qwen2-tiny, mistral-tiny, gpt2-tiny."
+    )
+    path: str | None = Field(None, description="Local HF model directory (or hub name when online) to load.")
+    config: dict[str, Any] | None = Field(
+        None,
+        description="Inline architecture config (AutoConfig kwargs with model_type); with `preset`, overrides its fields.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Dtype the weights are held in; mixed precision is `train.precision`."
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernel passed to transformers."
+    )
+    trust_remote_code: bool = Field(False, description="Run model code shipped with a checkpoint. Off unless you trust it.")
+    allow_bin_weights: bool = Field(
+        False, description="Allow loading legacy .bin weights (read with weights_only, never full unpickling)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if self.path and (self.preset or self.config):
+            raise ValueError("set either model.path or model.preset/model.config, not both")
+        if not (self.path or self.preset or self.config):
+            raise ValueError("set one of model.preset, model.path or model.config")
+        if self.config is not None and not self.preset and "model_type" not in self.config:
+            raise ValueError("model.config needs a model_type (for example model_type: llama)")
+        return self
+
+
+class TokenizerTrainConfig(Section):
+    vocab_size: int = Field(8192, ge=300, description="Vocabulary size of the byte-level BPE tokenizer to train.")
+    min_frequency: int = Field(2, ge=1, description="Minimum pair frequency for a BPE merge.")
+    max_chars: int = Field(
+        20_000_000, ge=1000, description="Train on at most this many characters of the training text."
+    )
+    chat_template: Literal["chatml"] = Field("chatml", description="Chat template stored with the tokenizer.")
+
+
+class TokenizerConfig(Section):
+    path: str | None = Field(None, description="Local HF tokenizer directory; defaults to model.path.")
+    train: TokenizerTrainConfig | None = Field(
+        None, description="Train a tokenizer on the training data before anything else."
+    )
+
+    @model_validator(mode="after")
+    def _not_both(self) -> TokenizerConfig:
+        if self.path and self.train:
+            raise ValueError("set either tokenizer.path or tokenizer.train, not both")
+        return self
+
+
+class SourceConfig(Section):
+    path: str = Field(
+        description="File, glob, directory, or a built-in corpus `builtin:<name>` (builtin:python-stdlib)."
+    )
+    format: Literal["text"] = Field("text", description="Data format; `text` is raw documents for pretraining.")
+    text_field: str = Field("text", description="Field holding the document in .jsonl/.json/.parquet files.")
+    split: Literal["file", "line", "paragraph"] = Field(
+        "file",
+        description="How a .txt file becomes documents: the whole file, each line, or blank-line-separated paragraphs.",
+    )
+    max_documents: int | None = Field(None, ge=1, description="Read at most this many documents from this source.")
+
+
+class DataConfig(Section):
+    train: list[SourceConfig] = Field(min_length=1, description="Training sources.")
+    eval: list[SourceConfig] = Field(default_factory=list, description="Evaluation sources.")
+    eval_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Hold out this share of training blocks for eval when `eval` is empty."
+    )
+    max_length: int = Field(1024, ge=8, description="Tokens per training block (sequence length).")
+    cache_dir: Path | None = Field(
+        None, description="Where prepared data is cached; defaults to $LMFORGE_CACHE or ~/.cache/lmforge."
+    )
+
+
+class TrainConfig(Section):
+    stage: Literal["pretrain"] = Field("pretrain", description="Training stage.")
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps to run; overrides `epochs`.")
+    epochs: float = Field(1.0, gt=0, description="Passes over the training data when max_steps is not set.")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per device per forward pass.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Learning-rate decay after warmup."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2 (0.95 is common for pretraining).")
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip gradients to this global norm (0 disables).")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="Mixed precision; auto picks bf16 where the device supports it (CPUs included), else fp32."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    log_every: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
+    eval_every: int | None = Field(None, ge=1, description="Evaluate every N steps (and at the end) when eval data exists.")
+    save_every: int | None = Field(None, ge=1, description="Write a checkpoint every N steps.")
+    keep_last: int = Field(3, ge=1, description="Keep only the newest N complete checkpoints.")
+    resume: str = Field(
+        "auto",
+        description="`auto`: continue from the newest complete checkpoint if any; `never`; or a checkpoint path.",
+    )
+    dataloader_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
+
+
+class MonitorConfig(Section):
+    loggers: list[Literal["tensorboard"]] = Field(
+        default_factory=lambda: ["tensorboard"],
+        description="Extra metric sinks; metrics.jsonl is always written.",
+    )
+
+
+class DebugConfig(Section):
+    crash_at_step: int | None = Field(
+        None,
+        ge=1,
+        description="Drill: SIGKILL this process right after step N (after its checkpoint, if one is due).",
+    )
+
+
+class LmforgeConfig(Section):
+    run: RunConfig = Field(default_factory=RunConfig, description="Run identity and output location.")
+    model: ModelConfig = Field(description="Which model to train.")
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Which tokenizer to use.")
+    data: DataConfig = Field(description="Training and evaluation data.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="The optimisation loop.")
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="Metric sinks.")
+    debug: DebugConfig = Field(default_factory=DebugConfig, description="Fault-injection drills.")
+
+    @model_validator(mode="after")
+    def _tokenizer_source(self) -> LmforgeConfig:
+        if not (self.tokenizer.path or self.tokenizer.train or self.model.path):
+            raise ValueError(
+                "no tokenizer: set tokenizer.path, tokenizer.train (to train one), or load a model.path that has one"
+            )
+        return self

@@ -1,0 +1,15 @@
+"""Errors the CLI turns into exit code 2: the user's input is wrong, nothing ran yet.
+
+Raise `UserInputError` for bad config, bad data or bad usage; its message must say
+where (file, line or key), what is wrong and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class UserInputError(Exception):
+    """Bad config, data or usage: reported without a traceback, exit code 2."""
+
+
+class CheckpointError(Exception):
+    """A checkpoint is incomplete, corrupted or unusable."""

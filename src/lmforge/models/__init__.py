@@ -1,0 +1,1 @@
+"""Model construction: presets, inline configs and local HF checkpoints."""

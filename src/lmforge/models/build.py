@@ -1,0 +1,119 @@
+"""Build or load the causal LM a run trains.
+
+Three sources (ModelConfig): a named preset, an inline architecture config, or a local
+HF directory. Weights load from safetensors; legacy .bin only with allow_bin_weights,
+and transformers then reads them with weights_only (never full unpickling).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from lmforge.config.schema import ModelConfig
+from lmforge.errors import UserInputError
+from lmforge.models.presets import POSITION_KEYS, preset_kwargs
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, *, max_length: int) -> PreTrainedModel:
+    """The model to train: loaded from `cfg.path`, or freshly initialised from a preset / inline config.
+
+    Call `transformers.set_seed` first: fresh weights come from the global RNG.
+    """
+    if cfg.path:
+        model = _load_pretrained(cfg)
+        _fit_vocab(model, tokenizer)
+    else:
+        model = _init_from_config(cfg, tokenizer, max_length=max_length)
+    _check_positions(model, max_length)
+    return model
+
+
+def architecture_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    """AutoConfig kwargs of a preset, with `cfg.config` applied on top."""
+    kwargs = preset_kwargs(cfg.preset) if cfg.preset else {}
+    kwargs.update(cfg.config or {})
+    return kwargs
+
+
+def _init_from_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, *, max_length: int) -> PreTrainedModel:
+    kwargs = architecture_kwargs(cfg)
+    model_type = kwargs.pop("model_type")
+    kwargs["vocab_size"] = len(tokenizer)
+    for key in POSITION_KEYS:
+        if key in kwargs:
+            kwargs[key] = max(kwargs[key], max_length)
+    kwargs.update(_special_token_ids(tokenizer))
+    try:
+        config = AutoConfig.for_model(model_type, **kwargs)
+    except (ValueError, TypeError) as err:
+        raise UserInputError(f"model.config: transformers cannot build a {model_type!r} config: {err}") from None
+    return AutoModelForCausalLM.from_config(
+        config,
+        dtype=DTYPES[cfg.dtype],
+        attn_implementation=cfg.attn_implementation,
+        trust_remote_code=cfg.trust_remote_code,
+    )
+
+
+def _load_pretrained(cfg: ModelConfig) -> PreTrainedModel:
+    path = Path(cfg.path or "")
+    if path.exists() and not (path / "config.json").is_file():
+        raise UserInputError(f"model.path: {path} has no config.json; point it at a HF model directory")
+    if path.is_dir() and not cfg.allow_bin_weights and not any(path.glob("*.safetensors")):
+        if any(path.glob("*.bin")):
+            raise UserInputError(
+                f"model.path: {path} has only legacy .bin weights; convert them to safetensors, or set "
+                "model.allow_bin_weights=true to load them (read with weights_only, never unpickled in full)"
+            )
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            str(path) if path.exists() else cfg.path,
+            dtype=DTYPES[cfg.dtype],
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+            use_safetensors=None if cfg.allow_bin_weights else True,
+        )
+    except OSError as err:
+        raise UserInputError(f"model.path: cannot load {cfg.path!r}: {err}") from None
+
+
+def _special_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
+    # Without a BOS token the EOS id doubles as BOS (GPT-2's convention); otherwise
+    # architectures like GPT-2 keep a default BOS id outside a small vocabulary.
+    ids = {
+        "bos_token_id": tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    return {k: v for k, v in ids.items() if v is not None}
+
+
+def _fit_vocab(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Grow the embedding table when the tokenizer has more tokens than the model (never shrink it)."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > rows:
+        log.warning("resizing embeddings from %d to %d rows to fit the tokenizer", rows, len(tokenizer))
+        model.resize_token_embeddings(len(tokenizer))
+
+
+def _check_positions(model: PreTrainedModel, max_length: int) -> None:
+    for key in POSITION_KEYS:
+        limit = getattr(model.config, key, None)
+        if isinstance(limit, int) and limit < max_length:
+            raise UserInputError(
+                f"data.max_length={max_length} exceeds the model's {key}={limit}; lower data.max_length"
+            )
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Distinct parameters (tied weights counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

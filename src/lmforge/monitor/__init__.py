@@ -1,0 +1,1 @@
+"""Monitoring: metrics files and sinks."""

@@ -1,0 +1,51 @@
+"""Translate `cfg.train` into HF TrainingArguments (the only place that knows both vocabularies)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import TrainingArguments
+
+from lmforge.config.schema import TrainConfig
+from lmforge.train.precision import resolve_precision
+from lmforge.train.rundir import RunPaths
+
+
+def build_training_arguments(cfg: TrainConfig, paths: RunPaths, *, seed: int, has_eval: bool) -> TrainingArguments:
+    use_cuda = torch.cuda.is_available()
+    precision = resolve_precision(cfg.precision, use_cuda=use_cuda)
+    length = {"max_steps": cfg.max_steps} if cfg.max_steps else {"num_train_epochs": cfg.epochs}
+    evaluate = has_eval and cfg.eval_every is not None
+    return TrainingArguments(
+        output_dir=str(paths.staging),
+        **length,
+        per_device_train_batch_size=cfg.micro_batch_size,
+        per_device_eval_batch_size=cfg.micro_batch_size,
+        gradient_accumulation_steps=cfg.grad_accum,
+        learning_rate=cfg.lr,
+        lr_scheduler_type=cfg.schedule,
+        warmup_steps=cfg.warmup_steps,
+        weight_decay=cfg.weight_decay,
+        adam_beta2=cfg.adam_beta2,
+        max_grad_norm=cfg.max_grad_norm,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        use_cpu=not use_cuda,
+        activation_checkpointing=cfg.gradient_checkpointing,
+        logging_strategy="steps",
+        logging_steps=cfg.log_every,
+        logging_first_step=True,
+        # HF's default replaces a NaN/inf loss in the logged average: the log would look
+        # healthy while bad gradients are applied (NOTES.md). Keep NaNs visible.
+        logging_nan_inf_filter=False,
+        include_num_input_tokens_seen="non_padding",
+        eval_strategy="steps" if evaluate else "no",
+        eval_steps=cfg.eval_every if evaluate else None,
+        save_strategy="steps" if cfg.save_every else "no",
+        save_steps=cfg.save_every or 500,
+        save_total_limit=None,  # rotation happens on sealed checkpoints (CheckpointCommitCallback)
+        seed=seed,
+        dataloader_num_workers=cfg.dataloader_workers,
+        dataloader_pin_memory=use_cuda,
+        report_to=[],  # sinks are attached explicitly by lmforge
+        disable_tqdm=False,
+    )

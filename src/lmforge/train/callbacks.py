@@ -1,0 +1,113 @@
+"""HF Trainer callbacks: side effects only (metrics, checkpoint sealing, drills); no maths here."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from lmforge.ckpt.atomic import commit_checkpoint, rotate_checkpoints
+from lmforge.monitor.metrics import MetricsLog
+from lmforge.train.numerics import ThroughputMeter, perplexity
+
+log = logging.getLogger(__name__)
+
+# HF log keys renamed to the names of PRODUCT.md's metrics.jsonl.
+_RENAMED = {"learning_rate": "lr", "num_input_tokens_seen": "tokens_seen"}
+# Only the end-of-training summary carries train_loss (every step's log has train_runtime
+# when token counting is on); the summary is kept out of the per-step records.
+_SUMMARY_MARKER = "train_loss"
+
+
+class MetricsCallback(TrainerCallback):
+    """Writes metrics.jsonl: one record per logged step, eval results merged into their step's record."""
+
+    def __init__(self, metrics: MetricsLog) -> None:
+        self.metrics = metrics
+        self.meter = ThroughputMeter()
+        self.pending: dict[str, Any] | None = None
+        self.summary: dict[str, float] = {}
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self.meter.step_started(state.num_input_tokens_seen)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self.meter.step_ended(state.num_input_tokens_seen)
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, float] | None = None, **kw: Any) -> None:
+        if not state.is_world_process_zero or not logs:
+            return
+        if _SUMMARY_MARKER in logs:
+            self.summary.update(logs)
+            return
+        step = state.global_step
+        if self.pending is not None and self.pending["step"] != step:
+            self.flush()
+        record = self.pending or {"step": step}
+        if "eval_loss" in logs:
+            record["eval_loss"] = logs["eval_loss"]
+            record["eval_ppl"] = perplexity(logs["eval_loss"])
+        if "loss" in logs:
+            for key in ("loss", "learning_rate", "grad_norm", "epoch", "num_input_tokens_seen"):
+                if key in logs:
+                    record[_RENAMED.get(key, key)] = logs[key]
+            record.update(self.meter.take_window())
+        self.pending = record
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self.flush()
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self.flush()
+
+    def flush(self) -> None:
+        if self.pending is not None:
+            self.metrics.write(self.pending)
+            self.pending = None
+
+
+class CheckpointCommitCallback(TrainerCallback):
+    """Seals each checkpoint HF Trainer wrote into staging and renames it to `checkpoints/step-N`."""
+
+    def __init__(self, staging: Path, checkpoints: Path, keep_last: int) -> None:
+        self.staging = staging
+        self.checkpoints = checkpoints
+        self.keep_last = keep_last
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        if not state.is_world_process_zero:
+            return
+        step = state.global_step
+        written = self.staging / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        # training_args.bin is a pickle of TrainingArguments; lmforge resumes from config.yaml
+        # and never needs it, so it is not kept where a user might unpickle it.
+        (written / "training_args.bin").unlink(missing_ok=True)
+        final = commit_checkpoint(written, self.checkpoints / f"step-{step}", step=step)
+        for old in rotate_checkpoints(self.checkpoints, self.keep_last):
+            log.info("removed old checkpoint %s (keep_last=%d)", old.name, self.keep_last)
+        log.info("checkpoint sealed: %s", final)
+
+
+class CrashDrillCallback(TrainerCallback):
+    """`debug.crash_at_step`: SIGKILL the process right after step N and its checkpoint, as a real crash would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        if state.global_step == self.step and not control.should_save:
+            self._crash()
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        if state.global_step == self.step:
+            self._crash()
+
+    def _crash(self) -> None:
+        log.warning("debug.crash_at_step=%d: killing this process with SIGKILL", self.step)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,64 @@
+"""The numbers a training step is judged by, computed in one place.
+
+Token counts are HF Trainer's own non-padding count (`state.num_input_tokens_seen` with
+`include_num_input_tokens_seen="non_padding"`); this module turns counts and wall-clock
+times into per-window throughput, and losses into perplexity.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf when it overflows or the loss is not finite."""
+    if not math.isfinite(loss):
+        return math.inf
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+@dataclass
+class ThroughputMeter:
+    """Wall time and tokens of the optimizer steps since the last logged window.
+
+    `step_time_s` is the mean time from a step's start to its end (forward, backward,
+    optimizer); `tokens_per_s` divides the window's non-pad tokens by the window's wall
+    time from its first step start to its last step end, so data loading counts.
+    """
+
+    clock: callable = field(default=time.perf_counter)  # type: ignore[valid-type]
+    _window_start: float | None = None
+    _step_start: float = 0.0
+    _step_seconds: float = 0.0
+    _steps: int = 0
+    _tokens_at_window_start: int = 0
+    _last_end: float = 0.0
+    _last_tokens: int = 0
+
+    def step_started(self, tokens_seen: int) -> None:
+        now = self.clock()
+        if self._window_start is None:
+            self._window_start = now
+            self._tokens_at_window_start = tokens_seen
+        self._step_start = now
+
+    def step_ended(self, tokens_seen: int) -> None:
+        self._last_end = self.clock()
+        self._step_seconds += self._last_end - self._step_start
+        self._steps += 1
+        self._last_tokens = tokens_seen
+
+    def take_window(self) -> dict[str, float]:
+        """Throughput of the steps since the previous call, and start a new window."""
+        if self._window_start is None or self._steps == 0:
+            return {}
+        wall = max(self._last_end - self._window_start, 1e-9)
+        tokens = self._last_tokens - self._tokens_at_window_start
+        window = {"tokens_per_s": tokens / wall, "step_time_s": self._step_seconds / self._steps}
+        self._window_start, self._step_seconds, self._steps = None, 0.0, 0
+        return window

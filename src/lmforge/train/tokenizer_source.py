@@ -1,0 +1,55 @@
+"""Where a run's tokenizer comes from: the run itself (on resume), a path, or training one."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from lmforge.config import LmforgeConfig
+from lmforge.config.schema import SourceConfig
+from lmforge.data.sources import iter_documents, sources_fingerprint
+from lmforge.data.tokenizer import load_tokenizer, train_tokenizer
+from lmforge.train.rundir import RunPaths
+
+log = logging.getLogger(__name__)
+
+
+def obtain_tokenizer(cfg: LmforgeConfig, paths: RunPaths, cache_dir: Path) -> PreTrainedTokenizerBase:
+    """The run's tokenizer; a trained one is saved in the run directory so a resume reuses it exactly."""
+    if paths.tokenizer.is_dir():
+        return load_tokenizer(str(paths.tokenizer), trust_remote_code=False)
+    if cfg.tokenizer.train is not None:
+        tokenizer = _trained_tokenizer(cfg, cache_dir)
+        tokenizer.save_pretrained(str(paths.tokenizer))
+        return tokenizer
+    path = cfg.tokenizer.path or cfg.model.path
+    assert path is not None  # LmforgeConfig guarantees one source
+    return load_tokenizer(path, trust_remote_code=cfg.model.trust_remote_code)
+
+
+def _trained_tokenizer(cfg: LmforgeConfig, cache_dir: Path) -> PreTrainedTokenizerBase:
+    """Train on the training sources, or reuse a tokenizer trained earlier on the same text and settings."""
+    assert cfg.tokenizer.train is not None
+    key = hashlib.sha256(
+        (sources_fingerprint(cfg.data.train) + cfg.tokenizer.train.model_dump_json()).encode()
+    ).hexdigest()[:16]
+    cached = cache_dir / "tokenizers" / key
+    if cached.is_dir():
+        log.info("reusing tokenizer trained earlier on the same data: %s", cached)
+        return load_tokenizer(str(cached), trust_remote_code=False)
+    tokenizer = train_tokenizer(_all_documents(cfg.data.train), cfg.tokenizer.train)
+    partial = cached.with_name(key + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    tokenizer.save_pretrained(str(partial))
+    partial.rename(cached)
+    return tokenizer
+
+
+def _all_documents(sources: list[SourceConfig]) -> Iterator[str]:
+    return itertools.chain.from_iterable(iter_documents(source) for source in sources)

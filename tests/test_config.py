@@ -1,0 +1,146 @@
+"""Config loading: precise errors (file, line, key, fix), overrides, redaction, shipped examples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lmforge.config import dump_config, load_config
+from lmforge.config.redact import REDACTED, redact
+from lmforge.errors import UserInputError
+from tests.conftest import ROOT, run_cli
+
+VALID = """\
+run:
+  name: t
+model:
+  preset: llama-tiny
+tokenizer:
+  train:
+    vocab_size: 512
+data:
+  train:
+    - path: corpus.txt
+  max_length: 64
+train:
+  max_steps: 3
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+def errors_of(path: Path, overrides: list[str] | None = None) -> str:
+    with pytest.raises(UserInputError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+def test_valid_config_fills_defaults(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, VALID))
+    assert cfg.train.max_steps == 3
+    assert cfg.train.lr == 3e-4
+    assert cfg.model.trust_remote_code is False
+    assert cfg.run.dir == Path("runs/t")
+
+
+def test_unknown_key_names_file_line_path_and_closest_key(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID.replace("  max_steps: 3", "  max_step: 3"))
+    message = errors_of(path)
+    assert f"{path}:13: train.max_step: unknown key; did you mean 'train.max_steps'?" in message
+
+
+def test_key_in_wrong_section_is_suggested_by_full_path(tmp_path: Path) -> None:
+    message = errors_of(write(tmp_path, VALID + "  max_length: 12\n"))
+    assert "train.max_length: unknown key; did you mean 'data.max_length'?" in message
+
+
+def test_all_problems_reported_at_once_in_line_order(tmp_path: Path) -> None:
+    text = VALID.replace("max_length: 64", "max_length: -1").replace("max_steps: 3", "max_steps: lots")
+    message = errors_of(write(tmp_path, text))
+    assert "2 problems" in message
+    first, second = message.index("data.max_length"), message.index("train.max_steps")
+    assert first < second
+    assert "greater than or equal to 8, got -1" in message
+    assert "got 'lots'" in message
+
+
+def test_bad_literal_lists_choices(tmp_path: Path) -> None:
+    message = errors_of(write(tmp_path, VALID), ["train.precision=fp8"])
+    assert "override train.precision" in message
+    assert "'auto', 'fp32', 'bf16' or 'fp16'" in message
+
+
+def test_missing_section_and_model_source(tmp_path: Path) -> None:
+    message = errors_of(write(tmp_path, "model: {}\n"))
+    assert "data: required key is missing" in message
+    assert "set one of model.preset, model.path or model.config" in message
+
+
+def test_yaml_syntax_error_names_line(tmp_path: Path) -> None:
+    message = errors_of(write(tmp_path, "run:\n  name: [unclosed\n"))
+    assert f"{tmp_path / 'cfg.yaml'}:" in message and "not valid YAML" in message
+
+
+def test_overrides_are_typed_and_dotted(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, VALID), ["train.lr=1e-4", "train.gradient_checkpointing=true",
+                                              "data.train.0.path=other.txt", "model.config={num_hidden_layers: 2}"])
+    assert cfg.train.lr == 1e-4
+    assert cfg.train.gradient_checkpointing is True
+    assert cfg.data.train[0].path == "other.txt"
+    assert cfg.model.config == {"num_hidden_layers": 2}
+
+
+def test_malformed_override_says_how(tmp_path: Path) -> None:
+    with pytest.raises(UserInputError, match="write dotted.key=value"):
+        load_config(write(tmp_path, VALID), ["train.lr"])
+
+
+def test_redaction_by_key_name_and_by_env_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-123456")
+    data = {"hf_token": "abc", "url": "https://x/?k=wandb-secret-123456", "max_new_tokens": 5,
+            "nested": [{"password": "p"}], "eos_token": "<eos>"}
+    out = redact(data)
+    assert out["hf_token"] == REDACTED
+    assert "wandb-secret-123456" not in out["url"]
+    assert out["nested"][0]["password"] == REDACTED
+    assert out["max_new_tokens"] == 5 and out["eos_token"] == "<eos>"
+
+
+def test_dump_redacts_secret_env_values_in_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_supersecretvalue")
+    cfg = load_config(write(tmp_path, VALID), ["run.name=hf_supersecretvalue"])
+    assert "hf_supersecretvalue" not in yaml.safe_dump(dump_config(cfg))
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_example_validates(example: Path) -> None:
+    load_config(example)
+
+
+def test_cli_exit_code_2_and_message_for_bad_config(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID.replace("  lr", "  lr").replace("max_steps: 3", "max_steps: 3\n  learning_rate: 1"))
+    result = run_cli("config", "show", str(path))
+    assert result.returncode == 2
+    assert "train.learning_rate: unknown key; did you mean 'train.lr'?" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_config_show_applies_overrides(tmp_path: Path) -> None:
+    result = run_cli("config", "show", str(write(tmp_path, VALID)), "train.lr=0.01")
+    assert result.returncode == 0, result.stderr
+    shown = yaml.safe_load(result.stdout)
+    assert shown["train"]["lr"] == 0.01
+    assert shown["model"]["trust_remote_code"] is False
+
+
+def test_cli_config_schema_lists_every_key_with_description() -> None:
+    result = run_cli("config", "schema")
+    assert result.returncode == 0, result.stderr
+    for key in ("run.output_dir", "data.max_length", "train.resume", "debug.crash_at_step"):
+        assert key in result.stdout

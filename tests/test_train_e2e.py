@@ -1,0 +1,145 @@
+"""Tiny-model training runs through the real CLI: loss falls, the run directory is complete,
+and a run killed with SIGKILL resumes to bit-identical weights."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from lmforge.ckpt.atomic import MARKER_NAME
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+CONFIG = {
+    "run": {"name": "base", "seed": 0},
+    "model": {
+        "preset": "llama-tiny",
+        # Narrower than the preset so each test run takes seconds.
+        "config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 2, "num_key_value_heads": 1},
+    },
+    "tokenizer": {"train": {"vocab_size": 512, "max_chars": 400_000}},
+    "data": {"train": [{"path": "builtin:python-stdlib", "max_documents": 40}], "max_length": 64,
+             "eval_fraction": 0.05},
+    "train": {"max_steps": 8, "micro_batch_size": 4, "lr": 1e-2, "precision": "fp32", "warmup_steps": 2,
+              "log_every": 1, "save_every": 3, "keep_last": 3},
+}
+
+
+def write_config(tmp_path: Path, **sections: dict) -> Path:
+    config = json.loads(json.dumps(CONFIG))
+    config["run"]["output_dir"] = str(tmp_path / "runs")
+    for name, values in sections.items():
+        config[name].update(values)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def curve(run_dir: Path) -> list[tuple]:
+    """(step, loss, eval_loss) of every record: what must match exactly across a resume."""
+    return [(r["step"], r.get("loss"), r.get("eval_loss")) for r in metrics_of(run_dir)]
+
+
+def weights_of(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "final" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run every other test compares against."""
+    tmp_path = tmp_path_factory.mktemp("reference")
+    result = run_cli("train", str(write_config(tmp_path)), "train.max_steps=12", "train.eval_every=6")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp_path / "runs" / "base"
+
+
+def test_loss_falls_and_run_directory_is_complete(reference_run: Path) -> None:
+    records = metrics_of(reference_run)
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)), "steps repeat or go backwards"
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert losses[-1] < losses[0] - 0.5, losses
+    train_records = [r for r in records if "loss" in r]
+    for key in ("lr", "grad_norm", "tokens_per_s", "step_time_s"):
+        assert all(key in r for r in train_records), key
+    evals = [r for r in records if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [0, 6, 12]
+    assert evals[-1]["eval_ppl"] < evals[0]["eval_ppl"]
+
+    for name in ("config.yaml", "manifest.json", "data_report.json", "tb", "final", "checkpoints"):
+        assert (reference_run / name).exists(), name
+    manifest = json.loads((reference_run / "manifest.json").read_text())
+    assert manifest["packages"]["torch"].startswith("2.")
+    assert len(manifest["data_fingerprint"]) == 64 and len(manifest["tokenizer_fingerprint"]) == 64
+    assert sorted(p.name for p in (reference_run / "checkpoints").glob("step-*")) == ["step-12", "step-6", "step-9"]
+    assert not list((reference_run / "checkpoints").glob("**/training_args.bin")), "pickle left in checkpoints"
+
+
+def test_final_loads_with_from_pretrained_and_generates(reference_run: Path) -> None:
+    final = reference_run / "final"
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    model = AutoModelForCausalLM.from_pretrained(final)
+    ids = tokenizer("import os\n", return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert out.shape[1] == ids["input_ids"].shape[1] + 5
+    assert not (final / "training_args.bin").exists()
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path: Path, reference_run: Path) -> None:
+    config = write_config(tmp_path)
+    crashed = run_cli("train", str(config), "train.max_steps=12", "train.eval_every=6", "debug.crash_at_step=7")
+    assert crashed.returncode == -signal.SIGKILL
+    run_dir = tmp_path / "runs" / "base"
+    assert not (run_dir / "final").exists()
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-3", "step-6"]
+
+    resumed = run_cli("train", str(config), "train.max_steps=12", "train.eval_every=6")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr and "step-6" in resumed.stderr
+
+    reference, result = weights_of(reference_run), weights_of(run_dir)
+    assert reference.keys() == result.keys()
+    for name in reference:
+        assert torch.equal(reference[name], result[name]), f"{name} differs after resume"
+    # The metrics axis continues: no step twice, none backwards, same numbers as the uninterrupted run.
+    assert curve(run_dir) == curve(reference_run)
+
+
+def test_auto_resume_skips_unmarked_and_corrupted_checkpoints(tmp_path: Path, reference_run: Path) -> None:
+    config = write_config(tmp_path)
+    crashed = run_cli("train", str(config), "train.max_steps=12", "train.eval_every=6", "debug.crash_at_step=9")
+    assert crashed.returncode == -signal.SIGKILL
+    checkpoints = tmp_path / "runs" / "base" / "checkpoints"
+    (checkpoints / "step-9" / MARKER_NAME).unlink()  # as if the crash hit mid-save
+    weights = checkpoints / "step-6" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # one flipped bit on disk
+    weights.write_bytes(bytes(data))
+
+    resumed = run_cli("train", str(config), "train.max_steps=12", "train.eval_every=6")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "step-9: no completion marker" in resumed.stderr
+    assert "step-6: hash mismatch in model.safetensors" in resumed.stderr
+    assert "resuming from" in resumed.stderr and "step-3" in resumed.stderr
+    reference, result = weights_of(reference_run), weights_of(tmp_path / "runs" / "base")
+    assert all(torch.equal(reference[k], result[k]) for k in reference)
+
+
+def test_fresh_run_refuses_to_mix_with_finished_run(reference_run: Path, tmp_path: Path) -> None:
+    config = write_config(tmp_path, run={"output_dir": str(reference_run.parent)})
+    result = run_cli("train", str(config), "train.resume=never")
+    assert result.returncode == 2
+    assert "already holds a run" in result.stderr and "run.overwrite=true" in result.stderr
