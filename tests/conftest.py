@@ -17,11 +17,16 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytes
     monkeypatch.setenv("LMFORGE_CACHE", str(tmp_path_factory.mktemp("cache")))
 
 
-def run_cli(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
-            timeout: int = 600) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess[str]:
     """Run `lmforge ARGS` the way a user does, in a subprocess."""
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "lmforge.cli.main", *args],
-        cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )

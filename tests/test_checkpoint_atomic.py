@@ -43,7 +43,10 @@ def test_latest_complete_skips_unmarked_and_corrupted(tmp_path: Path) -> None:
     latest, rejected = find_latest_complete(tmp_path)
     assert latest is not None and latest.step == 2
     reasons = {r.step: r.problem for r in rejected}
-    assert reasons == {6: "no completion marker (the save was interrupted)", 4: "hash mismatch in model.safetensors"}
+    assert reasons == {
+        6: "no completion marker (the save was interrupted)",
+        4: "hash mismatch in model.safetensors",
+    }
 
 
 def test_missing_file_and_edited_manifest_are_detected(tmp_path: Path) -> None:

@@ -88,8 +88,15 @@ def test_yaml_syntax_error_names_line(tmp_path: Path) -> None:
 
 
 def test_overrides_are_typed_and_dotted(tmp_path: Path) -> None:
-    cfg = load_config(write(tmp_path, VALID), ["train.lr=1e-4", "train.gradient_checkpointing=true",
-                                              "data.train.0.path=other.txt", "model.config={num_hidden_layers: 2}"])
+    cfg = load_config(
+        write(tmp_path, VALID),
+        [
+            "train.lr=1e-4",
+            "train.gradient_checkpointing=true",
+            "data.train.0.path=other.txt",
+            "model.config={num_hidden_layers: 2}",
+        ],
+    )
     assert cfg.train.lr == 1e-4
     assert cfg.train.gradient_checkpointing is True
     assert cfg.data.train[0].path == "other.txt"
@@ -103,8 +110,13 @@ def test_malformed_override_says_how(tmp_path: Path) -> None:
 
 def test_redaction_by_key_name_and_by_env_value(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_API_KEY", "wandb-secret-123456")
-    data = {"hf_token": "abc", "url": "https://x/?k=wandb-secret-123456", "max_new_tokens": 5,
-            "nested": [{"password": "p"}], "eos_token": "<eos>"}
+    data = {
+        "hf_token": "abc",
+        "url": "https://x/?k=wandb-secret-123456",
+        "max_new_tokens": 5,
+        "nested": [{"password": "p"}],
+        "eos_token": "<eos>",
+    }
     out = redact(data)
     assert out["hf_token"] == REDACTED
     assert "wandb-secret-123456" not in out["url"]
@@ -124,7 +136,9 @@ def test_every_shipped_example_validates(example: Path) -> None:
 
 
 def test_cli_exit_code_2_and_message_for_bad_config(tmp_path: Path) -> None:
-    path = write(tmp_path, VALID.replace("  lr", "  lr").replace("max_steps: 3", "max_steps: 3\n  learning_rate: 1"))
+    path = write(
+        tmp_path, VALID.replace("  lr", "  lr").replace("max_steps: 3", "max_steps: 3\n  learning_rate: 1")
+    )
     result = run_cli("config", "show", str(path))
     assert result.returncode == 2
     assert "train.learning_rate: unknown key; did you mean 'train.lr'?" in result.stderr

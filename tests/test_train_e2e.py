@@ -23,14 +23,30 @@ CONFIG = {
     "model": {
         "preset": "llama-tiny",
         # Narrower than the preset so each test run takes seconds.
-        "config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                   "num_attention_heads": 2, "num_key_value_heads": 1},
+        "config": {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+        },
     },
     "tokenizer": {"train": {"vocab_size": 512, "max_chars": 400_000}},
-    "data": {"train": [{"path": "builtin:python-stdlib", "max_documents": 40}], "max_length": 64,
-             "eval_fraction": 0.05},
-    "train": {"max_steps": 8, "micro_batch_size": 4, "lr": 1e-2, "precision": "fp32", "warmup_steps": 2,
-              "log_every": 1, "save_every": 3, "keep_last": 3},
+    "data": {
+        "train": [{"path": "builtin:python-stdlib", "max_documents": 40}],
+        "max_length": 64,
+        "eval_fraction": 0.05,
+    },
+    "train": {
+        "max_steps": 8,
+        "micro_batch_size": 4,
+        "lr": 1e-2,
+        "precision": "fp32",
+        "warmup_steps": 2,
+        "log_every": 1,
+        "save_every": 3,
+        "keep_last": 3,
+    },
 }
 
 
@@ -84,8 +100,14 @@ def test_loss_falls_and_run_directory_is_complete(reference_run: Path) -> None:
     manifest = json.loads((reference_run / "manifest.json").read_text())
     assert manifest["packages"]["torch"].startswith("2.")
     assert len(manifest["data_fingerprint"]) == 64 and len(manifest["tokenizer_fingerprint"]) == 64
-    assert sorted(p.name for p in (reference_run / "checkpoints").glob("step-*")) == ["step-12", "step-6", "step-9"]
-    assert not list((reference_run / "checkpoints").glob("**/training_args.bin")), "pickle left in checkpoints"
+    assert sorted(p.name for p in (reference_run / "checkpoints").glob("step-*")) == [
+        "step-12",
+        "step-6",
+        "step-9",
+    ]
+    assert not list((reference_run / "checkpoints").glob("**/training_args.bin")), (
+        "pickle left in checkpoints"
+    )
 
 
 def test_final_loads_with_from_pretrained_and_generates(reference_run: Path) -> None:
@@ -100,7 +122,9 @@ def test_final_loads_with_from_pretrained_and_generates(reference_run: Path) -> 
 
 def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path: Path, reference_run: Path) -> None:
     config = write_config(tmp_path)
-    crashed = run_cli("train", str(config), "train.max_steps=12", "train.eval_every=6", "debug.crash_at_step=7")
+    crashed = run_cli(
+        "train", str(config), "train.max_steps=12", "train.eval_every=6", "debug.crash_at_step=7"
+    )
     assert crashed.returncode == -signal.SIGKILL
     run_dir = tmp_path / "runs" / "base"
     assert not (run_dir / "final").exists()
@@ -120,7 +144,9 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path: Path, reference
 
 def test_auto_resume_skips_unmarked_and_corrupted_checkpoints(tmp_path: Path, reference_run: Path) -> None:
     config = write_config(tmp_path)
-    crashed = run_cli("train", str(config), "train.max_steps=12", "train.eval_every=6", "debug.crash_at_step=9")
+    crashed = run_cli(
+        "train", str(config), "train.max_steps=12", "train.eval_every=6", "debug.crash_at_step=9"
+    )
     assert crashed.returncode == -signal.SIGKILL
     checkpoints = tmp_path / "runs" / "base" / "checkpoints"
     (checkpoints / "step-9" / MARKER_NAME).unlink()  # as if the crash hit mid-save
@@ -143,3 +169,110 @@ def test_fresh_run_refuses_to_mix_with_finished_run(reference_run: Path, tmp_pat
     result = run_cli("train", str(config), "train.resume=never")
     assert result.returncode == 2
     assert "already holds a run" in result.stderr and "run.overwrite=true" in result.stderr
+
+
+def test_continue_pretraining_example_on_a_local_model_directory(reference_run: Path, tmp_path: Path) -> None:
+    """The shipped example, pointed at a model this suite trained (its own tokenizer is used)."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "continue_pretrain.yaml"
+    result = run_cli(
+        "train",
+        str(example),
+        f"model.path={reference_run / 'final'}",
+        f"run.output_dir={tmp_path}",
+        "data.train.0.max_documents=20",
+        "data.max_length=64",
+        "train.max_steps=3",
+        "train.eval_every=3",
+        "train.save_every=null",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "continue-pretrain"
+    assert [r["step"] for r in metrics_of(run_dir) if "eval_loss" in r] == [0, 3]
+    assert (run_dir / "final" / "tokenizer.json").read_text() == (
+        reference_run / "final" / "tokenizer.json"
+    ).read_text()
+
+
+def test_other_architecture_with_epochs_bf16_and_gradient_checkpointing(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(
+        "".join(
+            json.dumps({"body": f"item {i}: " + "alpha beta gamma " * (i % 7 + 1)}) + "\n" for i in range(300)
+        )
+    )
+    config = write_config(
+        tmp_path,
+        model={
+            "preset": "qwen2-tiny",
+            "config": {
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+            },
+        },
+        data={"train": [{"path": str(corpus), "text_field": "body"}], "eval_fraction": 0.0},
+        train={
+            "max_steps": None,
+            "epochs": 1,
+            "precision": "bf16",
+            "gradient_checkpointing": True,
+            "save_every": None,
+        },
+    )
+    result = run_cli("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "base"
+    report = json.loads((run_dir / "data_report.json").read_text())
+    records = metrics_of(run_dir)
+    # One epoch over every block: the step count follows from the data report.
+    blocks = report["train_blocks"]
+    assert records[-1]["step"] == -(-blocks // 4)
+    assert AutoModelForCausalLM.from_pretrained(run_dir / "final").config.model_type == "qwen2"
+
+
+def test_prepare_then_train_reuses_the_cache(tmp_path: Path) -> None:
+    config = write_config(tmp_path, train={"max_steps": 1, "save_every": None})
+    prepared = run_cli("prepare", str(config))
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    assert '"train_blocks"' in prepared.stdout
+    trained = run_cli("train", str(config))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "reusing" in trained.stderr.lower()
+
+
+def test_tokenizer_train_cli_writes_hf_tokenizer(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("hello world, hello tokenizer\n" * 500)
+    result = run_cli(
+        "tokenizer",
+        "train",
+        "--input",
+        str(tmp_path / "a.txt"),
+        "--vocab-size",
+        "300",
+        "--out",
+        str(tmp_path / "tok"),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert tokenizer.eos_token == "<|endoftext|>"
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert rendered.endswith("<|im_start|>assistant\n")
+
+
+def test_quickstart_runs_offline_and_says_where_everything_is(tmp_path: Path) -> None:
+    """What `make demo` runs, shortened: same stages, fewer steps."""
+    result = run_cli("quickstart", "--out", str(tmp_path / "qs"), "--steps", "20")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "qs" / "quickstart.json").read_text())
+    pretrain = summary["results"]["pretrain"]
+    assert pretrain["steps"] == 20
+    assert pretrain["eval_ppl_after"] < pretrain["eval_ppl_before"] / 4
+    assert summary["results"]["sample"].startswith("def main():")
+    assert (
+        "where everything is" in result.stdout
+        and str(tmp_path / "qs" / "pretrain" / "final") in result.stdout
+    )

@@ -108,7 +108,7 @@ def list_step_dirs(checkpoints_dir: Path) -> list[Path]:
 
 def find_latest_complete(checkpoints_dir: Path) -> tuple[CheckpointStatus | None, list[CheckpointStatus]]:
     """The newest complete checkpoint, and every newer one that was rejected (with its reason)."""
-    rejected = []
+    rejected: list[CheckpointStatus] = []
     for directory in list_step_dirs(checkpoints_dir):
         status = check_checkpoint(directory)
         if status.complete:

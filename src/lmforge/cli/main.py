@@ -34,7 +34,7 @@ tokenizer_app = typer.Typer(help="Tokenizer tools.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(tokenizer_app, name="tokenizer")
 
-console = Console()
+console = Console(soft_wrap=True)  # never break a path across lines
 OVERRIDES_HELP = "Dotted key=value overrides, for example train.lr=1e-4 data.max_length=512."
 
 
@@ -102,8 +102,10 @@ def prepare(
 
 @app.command()
 def quickstart(
-    out: Path = typer.Option(Path("runs/quickstart"), "--out", help="Directory for everything the quickstart makes."),
-    steps: int = typer.Option(300, help="Pretraining steps (fewer for a faster, rougher demo)."),
+    out: Path = typer.Option(
+        Path("runs/quickstart"), "--out", help="Directory for everything the quickstart makes."
+    ),
+    steps: int = typer.Option(200, help="Pretraining steps (fewer for a faster, rougher demo)."),
 ) -> None:
     """Offline demo of the whole pipeline on CPU in minutes: tokenizer, pretraining, evaluation, sample.
 
@@ -143,10 +145,14 @@ def config_schema() -> None:
 
 @tokenizer_app.command("train")
 def tokenizer_train(
-    inputs: list[str] = typer.Option(..., "--input", help="Text source: file, glob, directory or builtin:python-stdlib (repeatable)."),
+    inputs: list[str] = typer.Option(
+        ..., "--input", help="Text source: file, glob, directory or builtin:python-stdlib (repeatable)."
+    ),
     vocab_size: int = typer.Option(8192, "--vocab-size", help="Vocabulary size."),
     out: Path = typer.Option(..., "--out", help="Directory to write the HF tokenizer to."),
-    text_field: str = typer.Option("text", "--text-field", help="Field with the text in .jsonl/.json/.parquet inputs."),
+    text_field: str = typer.Option(
+        "text", "--text-field", help="Field with the text in .jsonl/.json/.parquet inputs."
+    ),
 ) -> None:
     """Train a byte-level BPE tokenizer (HF format, with special tokens and a ChatML chat template).
 

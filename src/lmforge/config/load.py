@@ -45,7 +45,9 @@ FAMILIAR_NAMES = {
 }
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None, *, base: dict[str, Any] | None = None) -> LmforgeConfig:
+def load_config(
+    path: str | Path | None, overrides: list[str] | None = None, *, base: dict[str, Any] | None = None
+) -> LmforgeConfig:
     """Load `path` (or start from `base`), apply dotted overrides and validate.
 
     Raises UserInputError listing every problem with file, line and key path.
@@ -82,7 +84,9 @@ def _read_yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[KeyPath, int
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise UserInputError(f"{path}: the top level must be a mapping of sections (run:, model:, data:, ...)")
+        raise UserInputError(
+            f"{path}: the top level must be a mapping of sections (run:, model:, data:, ...)"
+        )
     lines: dict[KeyPath, int] = {}
     _collect_lines(node, (), lines)
     return data, lines
@@ -106,9 +110,7 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     """Apply one `a.b.c=value` override; the value is parsed as YAML (so 1e-4, true, [a, b] work)."""
     key, sep, value_text = override.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
-        raise UserInputError(
-            f"bad override {override!r}: write dotted.key=value, for example train.lr=1e-4"
-        )
+        raise UserInputError(f"bad override {override!r}: write dotted.key=value, for example train.lr=1e-4")
     try:
         value = yaml.safe_load(value_text) if value_text != "" else ""
     except yaml.YAMLError:
@@ -142,7 +144,9 @@ def _explain(error: Any, source: str, lines: dict[KeyPath, int], raw: dict[str, 
     kind = error["type"]
     if kind == "extra_forbidden":
         suggestion = _closest_key(loc)
-        hint = f"; did you mean '{suggestion}'?" if suggestion else "; remove it (see `lmforge config schema`)"
+        hint = (
+            f"; did you mean '{suggestion}'?" if suggestion else "; remove it (see `lmforge config schema`)"
+        )
         return max(line or 0, 0), f"{where}: unknown key{hint}"
     if kind == "missing":
         return max(line or 0, 0), f"{where}: required key is missing; add it (see `lmforge config schema`)"

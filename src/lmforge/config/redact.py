@@ -12,9 +12,19 @@ import re
 from typing import Any
 
 REDACTED = "***REDACTED***"
-_SECRET_NAME = re.compile(r"(token|secret|passw(or)?d|api[_-]?key|access[_-]?key|private[_-]?key|credential|webhook)", re.I)
+_SECRET_NAME = re.compile(
+    r"(token|secret|passw(or)?d|api[_-]?key|access[_-]?key|private[_-]?key|credential|webhook)", re.I
+)
 # Keys that contain a secret-looking word but hold no secret.
-_NOT_SECRET_KEYS = {"max_new_tokens", "tokenizer", "pad_token", "eos_token", "bos_token", "unk_token", "tokens"}
+_NOT_SECRET_KEYS = {
+    "max_new_tokens",
+    "tokenizer",
+    "pad_token",
+    "eos_token",
+    "bos_token",
+    "unk_token",
+    "tokens",
+}
 _MIN_SECRET_LEN = 6
 
 

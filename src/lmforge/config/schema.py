@@ -35,7 +35,8 @@ class RunConfig(Section):
 
 class ModelConfig(Section):
     preset: str | None = Field(
-        None, description="Named tiny architecture built from scratch: llama-tiny, qwen2-tiny, mistral-tiny, gpt2-tiny."
+        None,
+        description="Named tiny architecture built from scratch: llama-tiny, qwen2-tiny, mistral-tiny, gpt2-tiny.",
     )
     path: str | None = Field(None, description="Local HF model directory (or hub name when online) to load.")
     config: dict[str, Any] | None = Field(
@@ -48,9 +49,12 @@ class ModelConfig(Section):
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="Attention kernel passed to transformers."
     )
-    trust_remote_code: bool = Field(False, description="Run model code shipped with a checkpoint. Off unless you trust it.")
+    trust_remote_code: bool = Field(
+        False, description="Run model code shipped with a checkpoint. Off unless you trust it."
+    )
     allow_bin_weights: bool = Field(
-        False, description="Allow loading legacy .bin weights (read with weights_only, never full unpickling)."
+        False,
+        description="Allow loading legacy .bin weights (read with weights_only, never full unpickling).",
     )
 
     @model_validator(mode="after")
@@ -65,7 +69,9 @@ class ModelConfig(Section):
 
 
 class TokenizerTrainConfig(Section):
-    vocab_size: int = Field(8192, ge=300, description="Vocabulary size of the byte-level BPE tokenizer to train.")
+    vocab_size: int = Field(
+        8192, ge=300, description="Vocabulary size of the byte-level BPE tokenizer to train."
+    )
     min_frequency: int = Field(2, ge=1, description="Minimum pair frequency for a BPE merge.")
     max_chars: int = Field(
         20_000_000, ge=1000, description="Train on at most this many characters of the training text."
@@ -90,20 +96,27 @@ class SourceConfig(Section):
     path: str = Field(
         description="File, glob, directory, or a built-in corpus `builtin:<name>` (builtin:python-stdlib)."
     )
-    format: Literal["text"] = Field("text", description="Data format; `text` is raw documents for pretraining.")
+    format: Literal["text"] = Field(
+        "text", description="Data format; `text` is raw documents for pretraining."
+    )
     text_field: str = Field("text", description="Field holding the document in .jsonl/.json/.parquet files.")
     split: Literal["file", "line", "paragraph"] = Field(
         "file",
         description="How a .txt file becomes documents: the whole file, each line, or blank-line-separated paragraphs.",
     )
-    max_documents: int | None = Field(None, ge=1, description="Read at most this many documents from this source.")
+    max_documents: int | None = Field(
+        None, ge=1, description="Read at most this many documents from this source."
+    )
 
 
 class DataConfig(Section):
     train: list[SourceConfig] = Field(min_length=1, description="Training sources.")
     eval: list[SourceConfig] = Field(default_factory=list, description="Evaluation sources.")
     eval_fraction: float = Field(
-        0.0, ge=0.0, lt=1.0, description="Hold out this share of training blocks for eval when `eval` is empty."
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Hold out this share of training blocks for eval when `eval` is empty.",
     )
     max_length: int = Field(1024, ge=8, description="Tokens per training block (sequence length).")
     cache_dir: Path | None = Field(
@@ -126,11 +139,16 @@ class TrainConfig(Section):
     adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2 (0.95 is common for pretraining).")
     max_grad_norm: float = Field(1.0, ge=0, description="Clip gradients to this global norm (0 disables).")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
-        "auto", description="Mixed precision; auto picks bf16 where the device supports it (CPUs included), else fp32."
+        "auto",
+        description="Mixed precision; auto picks bf16 where the device supports it (CPUs included), else fp32.",
     )
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward to save memory."
+    )
     log_every: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
-    eval_every: int | None = Field(None, ge=1, description="Evaluate every N steps (and at the end) when eval data exists.")
+    eval_every: int | None = Field(
+        None, ge=1, description="Evaluate every N steps (and at the end) when eval data exists."
+    )
     save_every: int | None = Field(None, ge=1, description="Write a checkpoint every N steps.")
     keep_last: int = Field(3, ge=1, description="Keep only the newest N complete checkpoints.")
     resume: str = Field(
@@ -142,7 +160,7 @@ class TrainConfig(Section):
 
 class MonitorConfig(Section):
     loggers: list[Literal["tensorboard"]] = Field(
-        default_factory=lambda: ["tensorboard"],
+        default_factory=lambda: list[Literal["tensorboard"]](["tensorboard"]),
         description="Extra metric sinks; metrics.jsonl is always written.",
     )
 

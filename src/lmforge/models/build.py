@@ -44,7 +44,9 @@ def architecture_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     return kwargs
 
 
-def _init_from_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, *, max_length: int) -> PreTrainedModel:
+def _init_from_config(
+    cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, *, max_length: int
+) -> PreTrainedModel:
     kwargs = architecture_kwargs(cfg)
     model_type = kwargs.pop("model_type")
     kwargs["vocab_size"] = len(tokenizer)
@@ -55,7 +57,9 @@ def _init_from_config(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, *, m
     try:
         config = AutoConfig.for_model(model_type, **kwargs)
     except (ValueError, TypeError) as err:
-        raise UserInputError(f"model.config: transformers cannot build a {model_type!r} config: {err}") from None
+        raise UserInputError(
+            f"model.config: transformers cannot build a {model_type!r} config: {err}"
+        ) from None
     return AutoModelForCausalLM.from_config(
         config,
         dtype=DTYPES[cfg.dtype],
@@ -68,15 +72,15 @@ def _load_pretrained(cfg: ModelConfig) -> PreTrainedModel:
     path = Path(cfg.path or "")
     if path.exists() and not (path / "config.json").is_file():
         raise UserInputError(f"model.path: {path} has no config.json; point it at a HF model directory")
-    if path.is_dir() and not cfg.allow_bin_weights and not any(path.glob("*.safetensors")):
-        if any(path.glob("*.bin")):
-            raise UserInputError(
-                f"model.path: {path} has only legacy .bin weights; convert them to safetensors, or set "
-                "model.allow_bin_weights=true to load them (read with weights_only, never unpickled in full)"
-            )
+    only_bin = path.is_dir() and not any(path.glob("*.safetensors")) and any(path.glob("*.bin"))
+    if only_bin and not cfg.allow_bin_weights:
+        raise UserInputError(
+            f"model.path: {path} has only legacy .bin weights; convert them to safetensors, or set "
+            "model.allow_bin_weights=true to load them (read with weights_only, never unpickled in full)"
+        )
     try:
         return AutoModelForCausalLM.from_pretrained(
-            str(path) if path.exists() else cfg.path,
+            str(path) if path.exists() else str(cfg.path),
             dtype=DTYPES[cfg.dtype],
             attn_implementation=cfg.attn_implementation,
             trust_remote_code=cfg.trust_remote_code,
@@ -90,7 +94,9 @@ def _special_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
     # Without a BOS token the EOS id doubles as BOS (GPT-2's convention); otherwise
     # architectures like GPT-2 keep a default BOS id outside a small vocabulary.
     ids = {
-        "bos_token_id": tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id
+        if tokenizer.bos_token_id is not None
+        else tokenizer.eos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
@@ -99,7 +105,7 @@ def _special_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
 
 def _fit_vocab(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
     """Grow the embedding table when the tokenizer has more tokens than the model (never shrink it)."""
-    rows = model.get_input_embeddings().weight.shape[0]
+    rows = int(model.get_input_embeddings().weight.shape[0])  # type: ignore[index]
     if len(tokenizer) > rows:
         log.warning("resizing embeddings from %d to %d rows to fit the tokenizer", rows, len(tokenizer))
         model.resize_token_embeddings(len(tokenizer))

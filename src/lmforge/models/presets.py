@@ -60,5 +60,7 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions")
 def preset_kwargs(name: str) -> dict[str, Any]:
     """A copy of a preset's AutoConfig kwargs; unknown names list the valid ones."""
     if name not in PRESETS:
-        raise UserInputError(f"model.preset: unknown preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
+        raise UserInputError(
+            f"model.preset: unknown preset {name!r}; choose one of {', '.join(sorted(PRESETS))}"
+        )
     return dict(PRESETS[name])

@@ -50,7 +50,7 @@ def pretrain_config(state: QuickstartState) -> LmforgeConfig:
             "weight_decay": 0.01,
             "adam_beta2": 0.95,
             "log_every": 10,
-            "eval_every": max(state.pretrain_steps // 3, 1),
+            "eval_every": max(state.pretrain_steps // 2, 1),
             "save_every": max(state.pretrain_steps // 2, 1),
             "keep_last": 1,
             "resume": "never",
@@ -78,16 +78,25 @@ def stage_pretrain(state: QuickstartState, console: Console) -> None:
 
 
 def stage_sample(state: QuickstartState, console: Console) -> None:
-    """Greedy continuation from the exported model, loaded the way any HF user would load it."""
+    """Greedy continuation from the exported model, loaded the way any HF user would load it.
+
+    no_repeat_ngram_size keeps a 4M-parameter model from looping on one token; decoding
+    stays deterministic."""
     final = state.results["pretrain"]["final_dir"]
     tokenizer = AutoTokenizer.from_pretrained(final)
-    model = AutoModelForCausalLM.from_pretrained(final)
+    model: Any = AutoModelForCausalLM.from_pretrained(final)
     inputs = tokenizer(SAMPLE_PROMPT, return_tensors="pt")
     with torch.no_grad():
-        output = model.generate(**inputs, max_new_tokens=48, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        output = model.generate(
+            **inputs,
+            max_new_tokens=48,
+            do_sample=False,
+            no_repeat_ngram_size=3,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     sample = tokenizer.decode(output[0], skip_special_tokens=True)
     state.results["sample"] = sample
-    console.print("[bold]sample[/] (greedy, from final/):")
+    console.print("[bold]sample[/] (greedy, no repeated 3-grams, from final/):")
     console.print(sample, markup=False, highlight=False)
 
 
@@ -97,7 +106,9 @@ STAGES: list[tuple[str, Callable[[QuickstartState, Console], None]]] = [
 ]
 
 
-def run_quickstart(out: Path, *, pretrain_steps: int = 300, console: Console | None = None) -> QuickstartState:
+def run_quickstart(
+    out: Path, *, pretrain_steps: int = 300, console: Console | None = None
+) -> QuickstartState:
     """Run every stage; write quickstart.json (results and timings) into `out`."""
     console = console or Console()
     state = QuickstartState(out=out, pretrain_steps=pretrain_steps)

@@ -10,7 +10,9 @@ from lmforge.train.precision import resolve_precision
 from lmforge.train.rundir import RunPaths
 
 
-def build_training_arguments(cfg: TrainConfig, paths: RunPaths, *, seed: int, has_eval: bool) -> TrainingArguments:
+def build_training_arguments(
+    cfg: TrainConfig, paths: RunPaths, *, seed: int, has_eval: bool
+) -> TrainingArguments:
     use_cuda = torch.cuda.is_available()
     precision = resolve_precision(cfg.precision, use_cuda=use_cuda)
     length = {"max_steps": cfg.max_steps} if cfg.max_steps else {"num_train_epochs": cfg.epochs}

@@ -33,14 +33,24 @@ class MetricsCallback(TrainerCallback):
         self.pending: dict[str, Any] | None = None
         self.summary: dict[str, float] = {}
 
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
         self.meter.step_started(state.num_input_tokens_seen)
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
         self.meter.step_ended(state.num_input_tokens_seen)
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               logs: dict[str, float] | None = None, **kw: Any) -> None:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kw: Any,
+    ) -> None:
         if not state.is_world_process_zero or not logs:
             return
         if _SUMMARY_MARKER in logs:
@@ -60,10 +70,14 @@ class MetricsCallback(TrainerCallback):
             record.update(self.meter.take_window())
         self.pending = record
 
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
         self.flush()
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
         self.flush()
 
     def flush(self) -> None:
@@ -80,7 +94,9 @@ class CheckpointCommitCallback(TrainerCallback):
         self.checkpoints = checkpoints
         self.keep_last = keep_last
 
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
         if not state.is_world_process_zero:
             return
         step = state.global_step
@@ -100,11 +116,15 @@ class CrashDrillCallback(TrainerCallback):
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
         if state.global_step == self.step and not control.should_save:
             self._crash()
 
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
         if state.global_step == self.step:
             self._crash()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -31,7 +32,7 @@ class ThroughputMeter:
     time from its first step start to its last step end, so data loading counts.
     """
 
-    clock: callable = field(default=time.perf_counter)  # type: ignore[valid-type]
+    clock: Callable[[], float] = field(default=time.perf_counter)
     _window_start: float | None = None
     _step_start: float = 0.0
     _step_seconds: float = 0.0

@@ -12,12 +12,15 @@ def cpu_supports_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def resolve_precision(requested: str, *, use_cuda: bool) -> str:
-    """`auto` -> bf16 where the device has native bf16 (GPUs and CPUs alike), else fp32."""
+def resolve_precision(requested: str, *, use_cuda: bool, native_bf16: bool | None = None) -> str:
+    """`auto` -> bf16 where the device has native bf16 (GPUs and CPUs alike), else fp16 on
+    older GPUs and fp32 on CPUs. `native_bf16` defaults to asking the device."""
+    if native_bf16 is None:
+        native_bf16 = torch.cuda.is_bf16_supported() if use_cuda else cpu_supports_bf16()
     if requested == "auto":
-        if use_cuda:
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        return "bf16" if cpu_supports_bf16() else "fp32"
+        if native_bf16:
+            return "bf16"
+        return "fp16" if use_cuda else "fp32"
     if requested == "fp16" and not use_cuda:
         raise UserInputError("train.precision=fp16 needs a CUDA GPU; on CPU use bf16 or fp32 (or auto)")
     return requested

@@ -22,8 +22,17 @@ from lmforge.config import LmforgeConfig, dump_config
 from lmforge.errors import UserInputError
 
 TRACKED_PACKAGES = (
-    "lmforge", "torch", "transformers", "datasets", "tokenizers", "safetensors",
-    "accelerate", "peft", "pydantic", "numpy", "pyarrow",
+    "lmforge",
+    "torch",
+    "transformers",
+    "datasets",
+    "tokenizers",
+    "safetensors",
+    "accelerate",
+    "peft",
+    "pydantic",
+    "numpy",
+    "pyarrow",
 )
 
 
@@ -142,7 +151,10 @@ def _git_info() -> dict[str, Any] | None:
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=5
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None

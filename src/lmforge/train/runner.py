@@ -26,8 +26,8 @@ from lmforge.models.build import build_model, count_parameters
 from lmforge.monitor.metrics import MetricsLog, read_metrics
 from lmforge.train.arguments import build_training_arguments
 from lmforge.train.callbacks import CheckpointCommitCallback, CrashDrillCallback, MetricsCallback
-from lmforge.train.rundir import RunPaths, claim_run_dir, write_manifest, write_resolved_config
 from lmforge.train.prepare import prepare_data_for_run
+from lmforge.train.rundir import RunPaths, claim_run_dir, write_manifest, write_resolved_config
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,11 @@ class TrainOutcome:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def run_training(cfg: LmforgeConfig) -> TrainOutcome:
-    """Train as `cfg` says and write the run directory; resumes when `train.resume` allows."""
+def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] | None = None) -> TrainOutcome:
+    """Train as `cfg` says and write the run directory; resumes when `train.resume` allows.
+
+    `extra_callbacks` are added to the Trainer after lmforge's own (for library users and benchmarks).
+    """
     paths = RunPaths(cfg.run.dir)
     resume = resolve_resume(cfg.train.resume, paths)
     claim_run_dir(paths, resuming=resume is not None, overwrite=cfg.run.overwrite)
@@ -53,7 +56,9 @@ def run_training(cfg: LmforgeConfig) -> TrainOutcome:
 
     tokenizer, data = prepare_data_for_run(cfg, paths)
     write_resolved_config(cfg, paths)
-    write_manifest(paths, data_fingerprint=data.fingerprint, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
+    write_manifest(
+        paths, data_fingerprint=data.fingerprint, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer)
+    )
 
     model = build_model(cfg.model, tokenizer, max_length=cfg.data.max_length)
     parameters = count_parameters(model)
@@ -64,6 +69,8 @@ def run_training(cfg: LmforgeConfig) -> TrainOutcome:
         dropped = metrics.truncate_after(resume.step)
         log.info("resuming from %s (%d metric records after it dropped)", resume.path, dropped)
     trainer = _build_trainer(cfg, model, tokenizer, data, paths, metrics, resume)
+    for callback in extra_callbacks or []:
+        trainer.add_callback(callback)
     shutil.rmtree(paths.staging, ignore_errors=True)  # leftovers of a save interrupted by a crash
     trainer.train(resume_from_checkpoint=str(resume.path) if resume else None)
 
@@ -105,8 +112,15 @@ class _EvaluateAtEndCallback(TrainerCallback):
             control.should_evaluate = True
 
 
-def _build_trainer(cfg: LmforgeConfig, model: Any, tokenizer: PreTrainedTokenizerBase, data: PreparedText,
-                   paths: RunPaths, metrics: MetricsLog, resume: CheckpointStatus | None) -> Trainer:
+def _build_trainer(
+    cfg: LmforgeConfig,
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    data: PreparedText,
+    paths: RunPaths,
+    metrics: MetricsLog,
+    resume: CheckpointStatus | None,
+) -> Trainer:
     has_eval = data.eval_blocks is not None and len(data.eval_blocks) > 0
     args = build_training_arguments(cfg.train, paths, seed=cfg.run.seed, has_eval=has_eval)
     # A fresh run measures where it starts; a resumed one already has that record.
@@ -127,7 +141,7 @@ def _build_trainer(cfg: LmforgeConfig, model: Any, tokenizer: PreTrainedTokenize
         model=model,
         args=args,
         train_dataset=BlockDataset(data.train_blocks),
-        eval_dataset=BlockDataset(data.eval_blocks) if has_eval else None,
+        eval_dataset=BlockDataset(data.eval_blocks) if data.eval_blocks is not None and has_eval else None,
         data_collator=default_data_collator,
         processing_class=tokenizer,
         callbacks=callbacks,

@@ -1,0 +1,330 @@
+"""Pretraining data: documents -> token ids -> EOS-joined stream -> fixed-length blocks, cached.
+
+The hot path never touches single tokens in Python: documents are tokenized in large
+batches by the Rust backend; joining, EOS insertion and cutting into blocks are NumPy
+operations. The token stream is appended straight to the cache's `.npy` file, whose
+header is rewritten in place at the end (numpy reserves room for that), so memory holds
+one batch of documents, and no pass copies the data again (except a hold-out split).
+The cache lives in `<cache_dir>/<fingerprint>/` (train.npy, eval.npy, meta.json) and
+appears by an atomic rename, so a crash never leaves a half-written cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from lmforge.config.schema import DataConfig, SourceConfig
+from lmforge.data.sources import SourceStats, iter_documents, sources_fingerprint
+from lmforge.data.tokenizer import BatchEncoder, batch_encoder, encode_documents, tokenizer_fingerprint
+from lmforge.errors import UserInputError
+
+logger = logging.getLogger(__name__)
+
+# Bump when the packing rules or the cache layout change: old caches then stop matching.
+CODE_VERSION = "text-v1"
+# Characters per tokenizer call: enough documents for the Rust backend to keep every core
+# busy, while the batch's Encoding objects (~80 bytes per token) stay in the tens of MB.
+_BATCH_CHARS = 2_000_000
+_IN_FLIGHT = 2  # batches being encoded while one is written; memory grows with it
+_COPY_ROWS = 16_384  # blocks moved per step when splitting off eval blocks: bounded memory
+
+
+@dataclass
+class PreparedText:
+    """Packed pretraining data; the arrays are [N, max_length] int32, memory-mapped from the cache."""
+
+    train_blocks: np.ndarray
+    eval_blocks: np.ndarray | None
+    fingerprint: str
+    cache_path: Path
+    from_cache: bool
+    report: dict[str, Any]
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per step; empty when cached
+
+
+class BlockDataset(torch.utils.data.Dataset):
+    """Causal-LM samples from an [N, L] block array: `input_ids` and `labels` (the same ids;
+    the model shifts them). Blocks hold no padding, so no attention mask is needed."""
+
+    def __init__(self, blocks: np.ndarray) -> None:
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return int(self.blocks.shape[0])
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = torch.from_numpy(np.asarray(self.blocks[index], dtype=np.int64))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _uses_holdout(cfg: DataConfig) -> bool:
+    return not cfg.eval and cfg.eval_fraction > 0
+
+
+def data_fingerprint(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> str:
+    """sha256 over everything that decides the prepared arrays: data, tokenizer, settings, code."""
+    holdout = _uses_holdout(cfg)
+    parts = {
+        "code": CODE_VERSION,
+        "train": sources_fingerprint(cfg.train),
+        "eval": sources_fingerprint(cfg.eval) if cfg.eval else None,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "max_length": cfg.max_length,
+        # Fraction and seed only matter for a hold-out; leaving them out otherwise lets
+        # runs with different seeds share one cache.
+        "eval_fraction": cfg.eval_fraction if holdout else None,
+        "seed": seed if holdout else None,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def join_with_eos(flat_ids: np.ndarray, lengths: np.ndarray, eos_id: int) -> np.ndarray:
+    """Insert `eos_id` after each document of `flat_ids` (documents given by `lengths`)."""
+    return np.insert(flat_ids, np.cumsum(lengths), np.int32(eos_id))
+
+
+def split_holdout(n_blocks: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted row indices (train, eval): round(eval_fraction * n_blocks) eval rows, at least 1
+    and at most n_blocks - 1, chosen by a permutation seeded with `seed`."""
+    if n_blocks < 2:
+        raise UserInputError(
+            f"data.eval_fraction={eval_fraction}: the training data makes only {n_blocks} block(s), and "
+            "holding out eval blocks needs at least 2. Fix: add training data, lower data.max_length, "
+            "set data.eval sources, or set data.eval_fraction: 0."
+        )
+    n_eval = min(max(1, round(eval_fraction * n_blocks)), n_blocks - 1)
+    order = np.random.default_rng(seed).permutation(n_blocks)
+    return np.sort(order[n_eval:]), np.sort(order[:n_eval])
+
+
+def _set_npy_rows(file: Path, rows: int, block_length: int) -> None:
+    """Make `file` (npy header + int32 stream) an .npy of shape [rows, block_length]:
+    rewrite its header in place (numpy pads it so the row count can grow) and cut the tail."""
+    with file.open("r+b") as handle:
+        np.lib.format.read_magic(handle)
+        np.lib.format.read_array_header_1_0(handle)
+        data_offset = handle.tell()
+        handle.seek(0)
+        _write_header(handle, rows, block_length)
+        if handle.tell() != data_offset:  # cannot happen while numpy keeps its growth padding
+            raise RuntimeError(f"{file}: .npy header changed size; the stream would be misread")
+        handle.truncate(data_offset + rows * block_length * 4)
+
+
+def _write_header(handle: Any, rows: int, block_length: int) -> None:
+    header = {"descr": "<i4", "fortran_order": False, "shape": (rows, block_length)}
+    np.lib.format.write_array_header_1_0(handle, header)
+
+
+@contextmanager
+def _timed(timings: dict[str, float], key: str) -> Iterator[None]:
+    started = time.perf_counter()
+    yield
+    timings[key] = timings.get(key, 0.0) + time.perf_counter() - started
+
+
+def _document_batches(
+    sources: Sequence[SourceConfig], stats: list[SourceStats]
+) -> Iterator[tuple[int, list[str]]]:
+    """(source index, documents) batches of about _BATCH_CHARS characters, never spanning sources."""
+    for index, source in enumerate(sources):
+        batch: list[str] = []
+        chars = 0
+        for text in iter_documents(source, stats[index]):
+            batch.append(text)
+            chars += len(text)
+            if chars >= _BATCH_CHARS:
+                yield index, batch
+                batch, chars = [], 0
+        if batch:
+            yield index, batch
+
+
+@dataclass
+class _Packer:
+    """Tokenizes sources into an EOS-joined stream written as an .npy of blocks."""
+
+    encode: BatchEncoder
+    eos_id: int
+    block_length: int
+    timings: dict[str, float]
+
+    def pack(self, sources: Sequence[SourceConfig], out: Path, split: str) -> dict[str, Any]:
+        """Write `sources` as blocks to .npy file `out`; returns the split's report."""
+        stats = [SourceStats(source.path) for source in sources]
+        tokens = [0] * len(sources)
+        batches = _document_batches(sources, stats)
+        with out.open("wb") as handle, tqdm(desc=f"tokenize {split}", unit="tok", unit_scale=True) as bar:
+            _write_header(handle, 0, self.block_length)  # rows set when the stream ends
+            for index, flat, lengths in self._encoded(batches):
+                with _timed(self.timings, "pack_s"):
+                    join_with_eos(flat, lengths, self.eos_id).tofile(handle)
+                tokens[index] += int(flat.size)
+                bar.update(flat.size + len(lengths))
+                bar.set_postfix(docs=sum(s.documents for s in stats), refresh=False)
+        documents = sum(s.documents for s in stats)
+        stream = sum(tokens) + documents
+        if stream < self.block_length:
+            raise UserInputError(
+                f"data.{split}: the data holds {stream} tokens (with EOS separators), fewer than one block "
+                f"of data.max_length={self.block_length}. Fix: add data or lower data.max_length."
+            )
+        with _timed(self.timings, "pack_s"):
+            _set_npy_rows(out, stream // self.block_length, self.block_length)
+        return {
+            "sources": [{**s.as_dict(), "tokens": n} for s, n in zip(stats, tokens, strict=True)],
+            "documents": documents,
+            "empty_documents_skipped": sum(s.empty_documents_skipped for s in stats),
+            "tokens": sum(tokens),
+            "eos_tokens": documents,
+            "blocks": stream // self.block_length,
+            "remainder_tokens_dropped": stream % self.block_length,
+        }
+
+    def _encoded(
+        self, batches: Iterator[tuple[int, list[str]]]
+    ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """(source index, flat ids, lengths) per batch, in order. Two batches are encoded at once:
+        the Rust backend releases the GIL, so one batch's encoding overlaps the Python work of
+        reading the next and converting the last, and its cores stay busy at batch ends."""
+        pending: deque[tuple[int, Future[tuple[np.ndarray, np.ndarray]]]] = deque()
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            while True:
+                with _timed(self.timings, "read_s"):
+                    item = next(batches, None)
+                if item is not None:
+                    pending.append((item[0], pool.submit(encode_documents, self.encode, item[1])))
+                if not pending:
+                    return
+                if item is None or len(pending) > _IN_FLIGHT:
+                    index, future = pending.popleft()
+                    with _timed(self.timings, "tokenize_s"):
+                        flat, lengths = future.result()
+                    yield index, flat, lengths
+
+
+def _hold_out(train_file: Path, eval_file: Path, fraction: float, seed: int) -> tuple[int, int]:
+    """Move a seeded share of the blocks in `train_file` to `eval_file`; returns (train, eval) rows."""
+    blocks = np.load(train_file, mmap_mode="r+", allow_pickle=False)
+    n_blocks, block_length = blocks.shape
+    train_rows, eval_rows = split_holdout(n_blocks, fraction, seed)
+    np.save(eval_file, blocks[eval_rows], allow_pickle=False)
+    # Compact the kept rows to the front, in order. Safe in place: train_rows is sorted and
+    # train_rows[i] >= i, so no chunk overwrites a row that a later chunk still reads.
+    for start in range(0, len(train_rows), _COPY_ROWS):
+        rows = train_rows[start : start + _COPY_ROWS]
+        blocks[start : start + len(rows)] = blocks[rows]
+    blocks.flush()
+    del blocks
+    _set_npy_rows(train_file, len(train_rows), block_length)
+    return len(train_rows), len(eval_rows)
+
+
+def _build_cache(cfg: DataConfig, packer: _Packer, seed: int, workdir: Path) -> dict[str, Any]:
+    """Write train.npy (and eval.npy) into `workdir`; returns the data report."""
+    train = packer.pack(cfg.train, workdir / "train.npy", "train")
+    evaluation = packer.pack(cfg.eval, workdir / "eval.npy", "eval") if cfg.eval else None
+    n_train, n_eval = train["blocks"], evaluation["blocks"] if evaluation else 0
+    if _uses_holdout(cfg):
+        with _timed(packer.timings, "pack_s"):
+            n_train, n_eval = _hold_out(workdir / "train.npy", workdir / "eval.npy", cfg.eval_fraction, seed)
+    return {
+        "block_length": cfg.max_length,
+        "eos_token_id": packer.eos_id,
+        "train": train,
+        "eval": evaluation,
+        "eval_from": "sources" if cfg.eval else ("held_out_train_blocks" if n_eval else "none"),
+        "train_blocks": n_train,
+        "eval_blocks": n_eval,
+    }
+
+
+def _load_cache(path: Path, fingerprint: str, from_cache: bool) -> PreparedText | None:
+    """The cached arrays at `path`, or None when the directory is not a complete, matching cache."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        train = np.load(path / "train.npy", mmap_mode="r", allow_pickle=False)
+        has_eval = meta["report"]["eval_blocks"] > 0
+        evaluation = np.load(path / "eval.npy", mmap_mode="r", allow_pickle=False) if has_eval else None
+    except (OSError, ValueError, KeyError):
+        return None
+    if meta.get("fingerprint") != fingerprint or train.shape[0] != meta["report"]["train_blocks"]:
+        return None
+    return PreparedText(train, evaluation, fingerprint, path, from_cache, meta["report"])
+
+
+def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    if tokenizer.eos_token_id is None:
+        raise UserInputError(
+            f"tokenizer {tokenizer.name_or_path!r} has no eos_token, which pretraining data needs to "
+            "separate documents. Fix: use a tokenizer with an eos_token, or set tokenizer.train."
+        )
+    return int(tokenizer.eos_token_id)
+
+
+def prepare_pretraining_data(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, seed: int, cache_dir: Path
+) -> PreparedText:
+    """Read, tokenize and pack `cfg.train` (and eval) into blocks of `cfg.max_length` tokens.
+
+    Every document is followed by the EOS token; the stream is cut into blocks and the final
+    partial block is dropped (counted in the report). Eval blocks come from `cfg.eval`, else
+    from a seeded hold-out of `cfg.eval_fraction` of the training blocks. The result is cached
+    under `cache_dir/<fingerprint>/` and reused while data, tokenizer and settings are unchanged.
+    """
+    timings = {"read_s": 0.0, "tokenize_s": 0.0, "pack_s": 0.0}
+    packer = _Packer(batch_encoder(tokenizer), _eos_id(tokenizer), cfg.max_length, timings)
+    started = time.perf_counter()
+    fingerprint = data_fingerprint(cfg, tokenizer, seed)
+    final = cache_dir / fingerprint
+    if final.exists():
+        cached = _load_cache(final, fingerprint, from_cache=True)
+        if cached is not None:
+            logger.info("prepared data: reusing cache %s", final)
+            return cached
+        logger.warning("prepared data: %s is not a complete cache; rebuilding it", final)
+        shutil.rmtree(final, ignore_errors=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=f".tmp-{fingerprint[:16]}-", dir=cache_dir))
+    try:
+        report = {**_build_cache(cfg, packer, seed, workdir), "fingerprint": fingerprint}
+        meta = {"fingerprint": fingerprint, "code_version": CODE_VERSION, "report": report}
+        (workdir / "meta.json").write_text(json.dumps(meta, indent=2))
+        _publish(workdir, final)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    result = _load_cache(final, fingerprint, from_cache=False)
+    if result is None:
+        raise RuntimeError(f"prepared data cache {final} is unreadable right after writing it")
+    result.timings = {**timings, "total_s": time.perf_counter() - started}
+    return result
+
+
+def _publish(workdir: Path, final: Path) -> None:
+    """Rename the finished `workdir` to `final`; if another process published it first, keep theirs."""
+    for file in workdir.iterdir():  # the data must be on disk before the rename makes it visible
+        with file.open("rb") as handle:
+            os.fsync(handle.fileno())
+    try:
+        os.rename(workdir, final)
+    except OSError:
+        if not (final / "meta.json").exists():
+            raise
