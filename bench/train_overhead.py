@@ -17,10 +17,9 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator, set_seed
+from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from lmforge.config import load_config
-from lmforge.data.text import BlockDataset
 from lmforge.models.build import build_model
 from lmforge.train.prepare import prepare_data_for_run
 from lmforge.train.rundir import RunPaths
@@ -85,8 +84,8 @@ def run_bare(cfg, tokenizer, data, out: Path) -> StepClock:  # type: ignore[no-u
     Trainer(
         model=model,
         args=args,
-        train_dataset=BlockDataset(data.train_blocks),
-        data_collator=default_data_collator,
+        train_dataset=data.train,
+        data_collator=data.collator,
         callbacks=[clock],
     ).train()
     return clock

@@ -124,6 +124,15 @@ def test_redaction_by_key_name_and_by_env_value(monkeypatch: pytest.MonkeyPatch)
     assert out["max_new_tokens"] == 5 and out["eos_token"] == "<eos>"
 
 
+def test_secret_key_names_match_whole_parts_only() -> None:
+    from lmforge.config.redact import is_secret_key
+
+    for name in ("hf_token", "HF_TOKEN", "WANDB_API_KEY", "openai_key", "db-password", "slack_webhook_url"):
+        assert is_secret_key(name), name
+    for name in ("tokenizer_fingerprint", "max_new_tokens", "pad_token", "tokens_seen", "key_path", "monkey"):
+        assert not is_secret_key(name), name
+
+
 def test_dump_redacts_secret_env_values_in_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_TOKEN", "hf_supersecretvalue")
     cfg = load_config(write(tmp_path, VALID), ["run.name=hf_supersecretvalue"])
@@ -158,3 +167,23 @@ def test_cli_config_schema_lists_every_key_with_description() -> None:
     assert result.returncode == 0, result.stderr
     for key in ("run.output_dir", "data.max_length", "train.resume", "debug.crash_at_step"):
         assert key in result.stdout
+
+
+def test_cross_section_rules_are_reported_with_the_fix(tmp_path: Path) -> None:
+    path = write(tmp_path, VALID)
+    message = errors_of(path, ["train.stage=sft", "data.padding_free=true"])
+    assert (
+        "override data.padding_free: padding-free batches keep samples apart only under flash_attention_2"
+        in message
+    )
+    message = errors_of(path, ["data.packing=true"])
+    assert "pretraining already packs text into full blocks" in message
+    message = errors_of(path, ["data.train.0.format=alpaca"])
+    assert "train.stage: pretrain reads raw text" in message
+
+
+def test_sft_with_packing_on_sdpa_is_accepted(tmp_path: Path) -> None:
+    cfg = load_config(
+        write(tmp_path, VALID), ["train.stage=sft", "data.packing=true", "data.train.0.format=messages"]
+    )
+    assert cfg.data.packing and cfg.train.stage == "sft"

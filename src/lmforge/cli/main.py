@@ -85,18 +85,33 @@ def train(
 def prepare(
     config: Path = typer.Argument(..., help="YAML config file."),
     overrides: list[str] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    show: int = typer.Option(
+        0, "--show", help="Print N training samples with the tokens that carry loss highlighted."
+    ),
 ) -> None:
-    """Data stage only: load, tokenize, pack and cache the data; print the data report.
+    """Data stage only: load, validate, tokenize, pack and cache the data; print the data report.
 
     `lmforge train` with the same config reuses the cache.
 
-    Example: `lmforge prepare examples/pretrain_tiny.yaml`
+    Example: `lmforge prepare examples/sft_lora.yaml --show 2`
     """
-    from lmforge.train.prepare import prepare_run_data
+    from rich.text import Text
+
+    from lmforge.train.prepare import first_samples, prepare_run_data, supervised_runs
 
     cfg = load_config(config, overrides)
-    report_path, report = prepare_run_data(cfg)
-    console.print_json(json.dumps(report))
+    report_path, tokenizer, data = prepare_run_data(cfg)
+    console.print_json(json.dumps(data.report))
+    for number, (ids, labels) in enumerate(first_samples(data, show), start=1):
+        console.rule(
+            f"sample {number}: {len(ids)} tokens, {sum(label != -100 for label in labels)} with loss"
+        )
+        text = Text()
+        for piece, supervised in supervised_runs(tokenizer, ids, labels):
+            text.append(piece, style="bold green" if supervised else "dim")
+        console.print(text)
+    if show:
+        console.print("[dim]dim: context only (no loss)[/]   [bold green]green: tokens that carry loss[/]")
     console.print(f"data report written to {report_path}")
 
 

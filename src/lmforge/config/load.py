@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from lmforge.config.cross_checks import cross_section_problems
 from lmforge.config.schema import LmforgeConfig
 from lmforge.errors import UserInputError
 
@@ -62,12 +63,21 @@ def load_config(
         # An override's problems are reported against the override, not a YAML line.
         lines[tuple(override.partition("=")[0].split("."))] = -1
     try:
-        return LmforgeConfig.model_validate(raw)
+        cfg = LmforgeConfig.model_validate(raw)
     except ValidationError as err:
         problems = sorted((_explain(e, source, lines, raw) for e in err.errors()), key=lambda p: p[0])
         count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
         body = "\n".join(f"  {text}" for _, text in problems)
         raise UserInputError(f"invalid config ({count}):\n{body}") from None
+    broken = cross_section_problems(cfg)
+    if broken:
+        body = "\n".join(
+            f"  {_where(tuple(key.split('.')), source, lines)}: {message}" for key, message in broken
+        )
+        raise UserInputError(
+            f"invalid config ({len(broken)} problem{'s' if len(broken) > 1 else ''}):\n{body}"
+        )
+    return cfg
 
 
 def _read_yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[KeyPath, int]]:
@@ -135,12 +145,8 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
 def _explain(error: Any, source: str, lines: dict[KeyPath, int], raw: dict[str, Any]) -> tuple[int, str]:
     """(line, "file:line: key: problem; fix") for one validation error."""
     loc = tuple(str(p) for p in error["loc"])
-    key = ".".join(loc) if loc else "(config)"
     line = _nearest_line(loc, lines)
-    if line == -1:
-        where = f"override {key}"
-    else:
-        where = f"{source}:{line}: {key}" if line else f"{source}: {key}"
+    where = _where(loc, source, lines)
     kind = error["type"]
     if kind == "extra_forbidden":
         suggestion = _closest_key(loc)
@@ -154,6 +160,15 @@ def _explain(error: Any, source: str, lines: dict[KeyPath, int], raw: dict[str, 
     if loc and kind != "value_error":
         message = f"{message}, got {_value_at(raw, loc)!r}"
     return max(line or 0, 0), f"{where}: {message}"
+
+
+def _where(loc: KeyPath, source: str, lines: dict[KeyPath, int]) -> str:
+    """`file:line: key`, or `override key` for a key set on the command line."""
+    key = ".".join(loc) if loc else "(config)"
+    line = _nearest_line(loc, lines)
+    if line == -1:
+        return f"override {key}"
+    return f"{source}:{line}: {key}" if line else f"{source}: {key}"
 
 
 def _nearest_line(loc: KeyPath, lines: dict[KeyPath, int]) -> int | None:

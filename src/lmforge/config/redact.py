@@ -12,24 +12,29 @@ import re
 from typing import Any
 
 REDACTED = "***REDACTED***"
-_SECRET_NAME = re.compile(
-    r"(token|secret|passw(or)?d|api[_-]?key|access[_-]?key|private[_-]?key|credential|webhook)", re.I
-)
-# Keys that contain a secret-looking word but hold no secret.
-_NOT_SECRET_KEYS = {
-    "max_new_tokens",
-    "tokenizer",
+# Whole name parts (split on _ - . and case) that mark a credential: "hf_token" and
+# "WANDB_API_KEY" are secrets, "tokenizer_fingerprint" and "max_new_tokens" are not.
+_SECRET_PARTS = {"token", "secret", "password", "passwd", "credential", "credentials", "webhook", "apikey"}
+_SECRET_LAST_PART = {"key"}  # OPENAI_KEY, api_key; not key_path
+# Special-token names hold vocabulary entries, not credentials.
+_SPECIAL_TOKEN_KEYS = {
     "pad_token",
     "eos_token",
     "bos_token",
     "unk_token",
-    "tokens",
+    "sep_token",
+    "cls_token",
+    "mask_token",
 }
 _MIN_SECRET_LEN = 6
 
 
 def is_secret_key(key: str) -> bool:
-    return key not in _NOT_SECRET_KEYS and not key.endswith("_tokens") and bool(_SECRET_NAME.search(key))
+    """Whether a config key or environment variable name looks like it holds a credential."""
+    if key.lower() in _SPECIAL_TOKEN_KEYS:
+        return False
+    parts = [p for p in re.split(r"[_\-.]", key.lower()) if p]
+    return bool(parts) and (bool(_SECRET_PARTS.intersection(parts)) or parts[-1] in _SECRET_LAST_PART)
 
 
 def secret_env_values(environ: dict[str, str] | None = None) -> set[str]:

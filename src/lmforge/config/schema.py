@@ -96,8 +96,21 @@ class SourceConfig(Section):
     path: str = Field(
         description="File, glob, directory, or a built-in corpus `builtin:<name>` (builtin:python-stdlib)."
     )
-    format: Literal["text"] = Field(
-        "text", description="Data format; `text` is raw documents for pretraining."
+    format: Literal["auto", "text", "alpaca", "sharegpt", "messages", "preference", "kto"] = Field(
+        "auto",
+        description="Row format: text (pretraining), alpaca, sharegpt, messages, preference, kto; "
+        "auto detects it from the columns when unambiguous.",
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="Column mapping, format role -> column name in the file (LLaMA-Factory's `columns`), "
+        "for example {prompt: question, response: answer}.",
+    )
+    dataset: str | None = Field(
+        None, description="With `path` pointing at a LLaMA-Factory dataset_info.json: the dataset name in it."
+    )
+    weight: float = Field(
+        1.0, gt=0, description="Mixing weight of this source relative to the other training sources."
     )
     text_field: str = Field("text", description="Field holding the document in .jsonl/.json/.parquet files.")
     split: Literal["file", "line", "paragraph"] = Field(
@@ -118,14 +131,45 @@ class DataConfig(Section):
         lt=1.0,
         description="Hold out this share of training blocks for eval when `eval` is empty.",
     )
-    max_length: int = Field(1024, ge=8, description="Tokens per training block (sequence length).")
+    max_length: int = Field(
+        1024, ge=8, description="Tokens per training block (pretraining) or per sample / packed row (SFT)."
+    )
+    chat_template: Literal["chatml", "llama3", "qwen2"] | None = Field(
+        None,
+        description="Built-in chat template to use instead of the tokenizer's own (needed when it has none).",
+    )
+    train_on: Literal["assistant", "all", "last_assistant"] = Field(
+        "assistant", description="Which tokens carry loss in conversations."
+    )
+    over_length: Literal["truncate", "drop", "error"] = Field(
+        "error",
+        description="A sample longer than max_length: truncate it (rows left with no supervised token are "
+        "dropped and counted), drop it (counted), or stop with an error naming it.",
+    )
+    packing: bool = Field(
+        False,
+        description="SFT: pack several samples per row (best-fit), attention never crossing samples.",
+    )
+    padding_free: bool = Field(
+        False, description="SFT: concatenate a batch into one row with restarting position ids (no padding)."
+    )
+    on_bad_row: Literal["error", "skip"] = Field(
+        "error",
+        description="A malformed row: stop with file:line and the reason, or quarantine it to bad_rows.jsonl.",
+    )
+    max_bad_fraction: float = Field(
+        0.01, ge=0, le=1, description="With on_bad_row=skip: fail when more than this share of rows is bad."
+    )
+    memory_budget_mb: int = Field(
+        1024, ge=16, description="Rows held in memory while preparing; larger inputs are streamed through it."
+    )
     cache_dir: Path | None = Field(
         None, description="Where prepared data is cached; defaults to $LMFORGE_CACHE or ~/.cache/lmforge."
     )
 
 
 class TrainConfig(Section):
-    stage: Literal["pretrain"] = Field("pretrain", description="Training stage.")
+    stage: Literal["pretrain", "sft"] = Field("pretrain", description="Training stage.")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps to run; overrides `epochs`.")
     epochs: float = Field(1.0, gt=0, description="Passes over the training data when max_steps is not set.")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per device per forward pass.")

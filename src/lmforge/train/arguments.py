@@ -39,7 +39,7 @@ def build_training_arguments(
         # HF's default replaces a NaN/inf loss in the logged average: the log would look
         # healthy while bad gradients are applied (NOTES.md). Keep NaNs visible.
         logging_nan_inf_filter=False,
-        include_num_input_tokens_seen="non_padding",
+        include_num_input_tokens_seen="no",  # counted exactly by LmforgeTrainer (train/numerics.py)
         eval_strategy="steps" if evaluate else "no",
         eval_steps=cfg.eval_every if evaluate else None,
         save_strategy="steps" if cfg.save_every else "no",
@@ -49,5 +49,8 @@ def build_training_arguments(
         dataloader_num_workers=cfg.dataloader_workers,
         dataloader_pin_memory=use_cuda,
         report_to=[],  # sinks are attached explicitly by lmforge
+        # lmforge's datasets and collators produce exactly the model's inputs; HF's column
+        # filter would only drop the packed rows' position_ids on some architectures.
+        remove_unused_columns=False,
         disable_tqdm=False,
     )

@@ -18,7 +18,7 @@ from lmforge.train.numerics import ThroughputMeter, perplexity
 log = logging.getLogger(__name__)
 
 # HF log keys renamed to the names of PRODUCT.md's metrics.jsonl.
-_RENAMED = {"learning_rate": "lr", "num_input_tokens_seen": "tokens_seen"}
+_RENAMED = {"learning_rate": "lr"}
 # Only the end-of-training summary carries train_loss (every step's log has train_runtime
 # when token counting is on); the summary is kept out of the per-step records.
 _SUMMARY_MARKER = "train_loss"
@@ -64,9 +64,10 @@ class MetricsCallback(TrainerCallback):
             record["eval_loss"] = logs["eval_loss"]
             record["eval_ppl"] = perplexity(logs["eval_loss"])
         if "loss" in logs:
-            for key in ("loss", "learning_rate", "grad_norm", "epoch", "num_input_tokens_seen"):
+            for key in ("loss", "learning_rate", "grad_norm", "epoch"):
                 if key in logs:
                     record[_RENAMED.get(key, key)] = logs[key]
+            record["tokens_seen"] = state.num_input_tokens_seen
             record.update(self.meter.take_window())
         self.pending = record
 

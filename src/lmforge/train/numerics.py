@@ -1,16 +1,19 @@
 """The numbers a training step is judged by, computed in one place.
 
-Token counts are HF Trainer's own non-padding count (`state.num_input_tokens_seen` with
-`include_num_input_tokens_seen="non_padding"`); this module turns counts and wall-clock
-times into per-window throughput, and losses into perplexity.
+Real (non-pad) tokens are counted per batch by `CountingCollator` and accumulated in
+`state.num_input_tokens_seen` by the Trainer (so they survive a resume); this module also
+turns counts and wall-clock times into per-window throughput, and losses into perplexity.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 
 def perplexity(loss: float) -> float:
@@ -63,3 +66,30 @@ class ThroughputMeter:
         window = {"tokens_per_s": tokens / wall, "step_time_s": self._step_seconds / self._steps}
         self._window_start, self._step_seconds, self._steps = None, 0.0, 0
         return window
+
+
+# Batch key carrying the number of real (non-pad) tokens; the Trainer removes it before the
+# model sees the batch. Counted before collation because after it, packed padding and sample
+# starts look alike in the mask, and a pad id may equal a real token id (pad == eos).
+REAL_TOKENS_KEY = "lmforge_real_tokens"
+
+
+def feature_tokens(feature: Mapping[str, Any]) -> int:
+    """Real tokens in one dataset item: a sample, a fixed block, or a packed row of samples."""
+    ids = feature["input_ids"]
+    first = ids[0] if len(ids) else None
+    if isinstance(first, list | tuple) or getattr(first, "ndim", 0) >= 1:  # one sequence per packed sample
+        return sum(len(piece) for piece in ids)
+    return len(ids)
+
+
+class CountingCollator:
+    """Wraps a collator and adds the batch's real-token count under REAL_TOKENS_KEY."""
+
+    def __init__(self, inner: Callable[[list[Any]], dict[str, Any]]) -> None:
+        self.inner = inner
+
+    def __call__(self, features: list[Any]) -> dict[str, Any]:
+        batch = self.inner(features)
+        batch[REAL_TOKENS_KEY] = torch.tensor(sum(feature_tokens(f) for f in features), dtype=torch.int64)
+        return batch

@@ -1,18 +1,37 @@
-"""The data stage as a run sees it: tokenizer plus prepared (cached) data and its report."""
+"""The data stage as a run sees it: the tokenizer, the datasets, the collator and the data report.
+
+`train.stage` decides the path: pretraining packs text into fixed blocks; SFT renders
+conversations with the chat template and batches them padded, packed or padding-free.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
+from torch.utils.data import Dataset
+from transformers import PreTrainedTokenizerBase, default_data_collator
 
 from lmforge.config import LmforgeConfig
-from lmforge.data.text import PreparedText, prepare_pretraining_data
+from lmforge.models.build import DTYPES
 from lmforge.train.rundir import RunPaths
 from lmforge.train.tokenizer_source import obtain_tokenizer
+
+
+@dataclass
+class RunData:
+    """What the Trainer needs from the data stage, whatever the training stage."""
+
+    train: Dataset
+    eval: Dataset | None
+    collator: Callable[[list[Any]], dict[str, Any]]
+    fingerprint: str
+    report: dict[str, Any]
+    from_cache: bool
 
 
 def resolve_cache_dir(cfg: LmforgeConfig) -> Path:
@@ -22,18 +41,98 @@ def resolve_cache_dir(cfg: LmforgeConfig) -> Path:
     return Path(os.environ.get("LMFORGE_CACHE", Path.home() / ".cache" / "lmforge"))
 
 
-def prepare_data_for_run(cfg: LmforgeConfig, paths: RunPaths) -> tuple[PreTrainedTokenizerBase, PreparedText]:
+def prepare_data_for_run(cfg: LmforgeConfig, paths: RunPaths) -> tuple[PreTrainedTokenizerBase, RunData]:
     """Tokenizer and prepared data for the run in `paths`; writes data_report.json there."""
     paths.root.mkdir(parents=True, exist_ok=True)
     cache_dir = resolve_cache_dir(cfg)
     tokenizer = obtain_tokenizer(cfg, paths, cache_dir)
-    data = prepare_pretraining_data(cfg.data, tokenizer, seed=cfg.run.seed, cache_dir=cache_dir)
+    if cfg.train.stage == "pretrain":
+        data = _pretraining_data(cfg, tokenizer, cache_dir)
+    else:
+        data = _sft_data(cfg, tokenizer, cache_dir, paths)
     paths.data_report.write_text(json.dumps(data.report, indent=2), encoding="utf-8")
     return tokenizer, data
 
 
-def prepare_run_data(cfg: LmforgeConfig) -> tuple[Path, dict[str, Any]]:
-    """`lmforge prepare`: run the data stage alone; returns the report and where it was written."""
+def prepare_run_data(cfg: LmforgeConfig) -> tuple[Path, PreTrainedTokenizerBase, RunData]:
+    """`lmforge prepare`: run the data stage alone; returns where the report went and the data."""
     paths = RunPaths(cfg.run.dir)
-    _, data = prepare_data_for_run(cfg, paths)
-    return paths.data_report, data.report
+    tokenizer, data = prepare_data_for_run(cfg, paths)
+    return paths.data_report, tokenizer, data
+
+
+def first_samples(data: RunData, count: int) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, labels) of the first `count` training samples, packed rows split into their samples."""
+    samples: list[tuple[list[int], list[int]]] = []
+    for index in range(len(data.train)):  # type: ignore[arg-type]
+        item = data.train[index]
+        ids, labels = item["input_ids"], item["labels"]
+        if len(ids) and isinstance(ids[0], list):  # a packed row: one list per sample
+            samples.extend(zip(ids, labels, strict=True))
+        else:
+            samples.append((list(map(int, ids)), list(map(int, labels))))
+        if len(samples) >= count:
+            break
+    return samples[:count]
+
+
+def supervised_runs(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], labels: list[int]
+) -> list[tuple[str, bool]]:
+    """The sample's text cut into runs of (text, carries loss), for `prepare --show`."""
+    runs: list[tuple[str, bool]] = []
+    start = 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or (labels[end] != -100) != (labels[start] != -100):
+            runs.append((str(tokenizer.decode(ids[start:end])), labels[start] != -100))
+            start = end
+    return runs
+
+
+def _pretraining_data(cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase, cache_dir: Path) -> RunData:
+    from lmforge.data.text import BlockDataset, prepare_pretraining_data
+
+    text = prepare_pretraining_data(cfg.data, tokenizer, seed=cfg.run.seed, cache_dir=cache_dir)
+    has_eval = text.eval_blocks is not None and len(text.eval_blocks) > 0
+    return RunData(
+        train=BlockDataset(text.train_blocks),
+        eval=BlockDataset(text.eval_blocks) if has_eval and text.eval_blocks is not None else None,
+        collator=default_data_collator,
+        fingerprint=text.fingerprint,
+        report=text.report,
+        from_cache=text.from_cache,
+    )
+
+
+def _sft_data(
+    cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase, cache_dir: Path, paths: RunPaths
+) -> RunData:
+    from lmforge.data.collate import PackedCollator, PaddedCollator, PaddingFreeCollator
+    from lmforge.data.sft import PackedDataset, SampleDataset, prepare_sft_data
+
+    sft = prepare_sft_data(
+        cfg.data,
+        tokenizer,
+        seed=cfg.run.seed,
+        cache_dir=cache_dir,
+        quarantine_path=paths.root / "bad_rows.jsonl",
+    )
+    if cfg.data.packing:
+        # Eval rows are packed among themselves only: no eval sample ever shares a row with train.
+        train: Dataset = PackedDataset(sft.train, cfg.data.max_length)
+        evaluation: Dataset | None = PackedDataset(sft.eval, cfg.data.max_length) if sft.eval else None
+        # The mask's form depends on the kernel: boolean for sdpa, additive for eager (a boolean
+        # mask under eager would silently let samples attend to each other).
+        collator: Callable[[list[Any]], dict[str, Any]] = PackedCollator(
+            pad_token_id=tokenizer.pad_token_id,
+            attn_implementation=cfg.model.attn_implementation,
+            dtype=DTYPES[cfg.model.dtype],
+        )
+    else:
+        train = SampleDataset(sft.train)
+        evaluation = SampleDataset(sft.eval) if sft.eval else None
+        if cfg.data.padding_free:
+            collator = PaddingFreeCollator()
+        else:
+            collator = PaddedCollator(pad_token_id=tokenizer.pad_token_id)
+    return RunData(train, evaluation, collator, sft.fingerprint, sft.report, sft.from_cache)

@@ -18,7 +18,7 @@ import psutil
 import torch
 import yaml
 
-from lmforge.config import LmforgeConfig, dump_config
+from lmforge.config import LmforgeConfig, dump_config, redact
 from lmforge.errors import UserInputError
 
 TRACKED_PACKAGES = (
@@ -118,6 +118,8 @@ def write_manifest(paths: RunPaths, **fingerprints: Any) -> dict[str, Any]:
         "hardware": hardware_summary(),
         **fingerprints,
     }
+    # The command line can carry an override with a secret in it: redact like every dump.
+    manifest = redact(manifest)
     paths.manifest.write_text(json.dumps(manifest, indent=2), encoding="utf-8")
     return manifest
 

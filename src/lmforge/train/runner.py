@@ -14,20 +14,21 @@ from pathlib import Path
 from typing import Any
 
 from torch.utils.tensorboard import SummaryWriter
-from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback, default_data_collator, set_seed
+from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback, set_seed
 from transformers.integrations import TensorBoardCallback
 
 from lmforge.ckpt.atomic import CheckpointStatus, check_checkpoint, find_latest_complete
 from lmforge.config import LmforgeConfig
-from lmforge.data.text import BlockDataset, PreparedText
 from lmforge.data.tokenizer import tokenizer_fingerprint
 from lmforge.errors import UserInputError
 from lmforge.models.build import build_model, count_parameters
 from lmforge.monitor.metrics import MetricsLog, read_metrics
 from lmforge.train.arguments import build_training_arguments
 from lmforge.train.callbacks import CheckpointCommitCallback, CrashDrillCallback, MetricsCallback
-from lmforge.train.prepare import prepare_data_for_run
+from lmforge.train.numerics import CountingCollator
+from lmforge.train.prepare import RunData, prepare_data_for_run
 from lmforge.train.rundir import RunPaths, claim_run_dir, write_manifest, write_resolved_config
+from lmforge.train.trainer import LmforgeTrainer
 
 log = logging.getLogger(__name__)
 
@@ -104,31 +105,33 @@ def resolve_resume(setting: str, paths: RunPaths) -> CheckpointStatus | None:
     return status
 
 
-class _EvaluateAtEndCallback(TrainerCallback):
-    """Evaluate after the last step too, so a run always ends with a fresh eval loss."""
+class _FinalStepCallback(TrainerCallback):
+    """Log (and evaluate) at the last step too, whatever the cadence: a run's record always
+    ends with its final loss and, when there is eval data, a fresh eval loss."""
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-        if state.global_step >= state.max_steps and args.eval_strategy != "no":
-            control.should_evaluate = True
+        if state.global_step >= state.max_steps:
+            control.should_log = True
+            control.should_evaluate = args.eval_strategy != "no"
 
 
 def _build_trainer(
     cfg: LmforgeConfig,
     model: Any,
     tokenizer: PreTrainedTokenizerBase,
-    data: PreparedText,
+    data: RunData,
     paths: RunPaths,
     metrics: MetricsLog,
     resume: CheckpointStatus | None,
 ) -> Trainer:
-    has_eval = data.eval_blocks is not None and len(data.eval_blocks) > 0
+    has_eval = data.eval is not None and len(data.eval) > 0  # type: ignore[arg-type]
     args = build_training_arguments(cfg.train, paths, seed=cfg.run.seed, has_eval=has_eval)
     # A fresh run measures where it starts; a resumed one already has that record.
     args.eval_on_start = args.eval_strategy != "no" and resume is None
     callbacks: list[TrainerCallback] = [
         MetricsCallback(metrics),
         CheckpointCommitCallback(paths.staging, paths.checkpoints, cfg.train.keep_last),
-        _EvaluateAtEndCallback(),
+        _FinalStepCallback(),
     ]
     if "tensorboard" in cfg.monitor.loggers:
         # purge_step drops events a crashed run logged after its checkpoint, so the TB
@@ -137,12 +140,12 @@ def _build_trainer(
         callbacks.append(TensorBoardCallback(tb_writer=writer))
     if cfg.debug.crash_at_step is not None:
         callbacks.append(CrashDrillCallback(cfg.debug.crash_at_step))
-    return Trainer(
+    return LmforgeTrainer(
         model=model,
         args=args,
-        train_dataset=BlockDataset(data.train_blocks),
-        eval_dataset=BlockDataset(data.eval_blocks) if data.eval_blocks is not None and has_eval else None,
-        data_collator=default_data_collator,
+        train_dataset=data.train,
+        eval_dataset=data.eval if has_eval else None,
+        data_collator=CountingCollator(data.collator),
         processing_class=tokenizer,
         callbacks=callbacks,
     )

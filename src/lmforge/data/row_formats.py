@@ -1,0 +1,337 @@
+"""Fine-tuning row formats: a raw row (a dict) -> an `Example`, or a `BadRow` saying why not.
+
+The entry point for whole sources is `lmforge.data.formats.iter_source_examples`.
+
+Column roles and their default column names (override any with `source.columns`, which
+uses LLaMA-Factory's role names, e.g. `columns: {prompt: question, response: answer}`):
+
+| format | roles (default column) |
+|---|---|
+| alpaca | prompt (instruction), query (input), response (output), system (system), history (history) |
+| sharegpt | messages (conversations), system (system), tools (tools); tags: see `conversation_formats` |
+| messages | messages (messages), tools (tools), role_tag (role), content_tag (content) |
+| preference | chosen (chosen), rejected (rejected) + the prompt in alpaca, sharegpt or messages layout |
+| kto | kto_tag (kto_tag, else label) + a conversation in alpaca, sharegpt or messages layout |
+
+alpaca follows LLaMA-Factory: the user turn is `instruction + "\\n" + input` when input is
+non-empty, `history` is [[user, assistant], ...] turns before it. In the preference layouts
+`chosen`/`rejected` are strings (alpaca) or single turns ({from, value} or {role, content}).
+A kto label is a boolean (or the strings "true"/"false", as csv files hold it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from lmforge.data.bad_rows import EMPTY_TURN, MISSING_FIELD, MISTYPED_FIELD, WRONG_ROLE_ORDER, excerpt
+from lmforge.data.conversation_formats import (
+    SHAREGPT_TAGS,
+    RowError,
+    decode_json_field,
+    function_call_message,
+    openai_messages,
+    parse_tools,
+    require_text,
+    sharegpt_messages,
+    tool_call,
+    type_name,
+)
+from lmforge.data.examples import (
+    BadRow,
+    Conversation,
+    Example,
+    LabeledConversation,
+    Message,
+    Origin,
+    PreferencePair,
+)
+from lmforge.errors import UserInputError
+
+Layout = Literal["alpaca", "sharegpt", "messages"]
+Task = Literal["sft", "preference", "kto"]
+
+LAYOUT_COLUMNS: dict[str, dict[str, str]] = {
+    "alpaca": {
+        "prompt": "instruction",
+        "query": "input",
+        "response": "output",
+        "system": "system",
+        "history": "history",
+    },
+    "sharegpt": {"messages": "conversations", "system": "system", "tools": "tools", **SHAREGPT_TAGS},
+    "messages": {"messages": "messages", "tools": "tools", "role_tag": "role", "content_tag": "content"},
+}
+TASK_COLUMNS: dict[str, dict[str, str]] = {
+    "sft": {},
+    "preference": {"chosen": "chosen", "rejected": "rejected"},
+    "kto": {"kto_tag": "kto_tag"},
+}
+FORMAT_VALUES = "text, alpaca, sharegpt, messages, preference, kto"
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """How to read the rows of one source: the layout of the conversation, the task, the columns."""
+
+    layout: Layout
+    task: Task
+    columns: Mapping[str, str] = field(default_factory=dict)  # role -> column name, defaults filled in
+
+
+def detect_format(keys: Collection[str], file: str, columns: Mapping[str, str] | None = None) -> str:
+    """The format a row with these keys is in: text, alpaca, sharegpt, messages, preference or kto.
+
+    Raises UserInputError naming the file, the keys and the `format:` values when the keys
+    fit no format or more than one.
+    """
+    present = _canonical_keys(keys, columns or {})
+    layouts = [name for name, needs in _LAYOUT_KEYS.items() if needs <= present]
+    tasks = [
+        t for t, needs in (("preference", {"chosen", "rejected"}), ("kto", {"kto_tag"})) if needs <= present
+    ]
+    if "label" in present and "kto_tag" not in present:
+        tasks.append("kto")
+    problem = None
+    if len(layouts) != 1:
+        problem = (
+            "they fit no known format" if not layouts else f"they fit several formats ({', '.join(layouts)})"
+        )
+    elif len(tasks) > 1:
+        problem = "they hold both preference (chosen/rejected) and kto (kto_tag/label) columns"
+    elif tasks and layouts[0] == "text":
+        problem = f"a text row cannot be a {tasks[0]} row"
+    if problem:
+        raise UserInputError(
+            f"{file}: cannot detect the data format from the row keys ({', '.join(sorted(keys)) or 'none'}): "
+            f"{problem}. Fix: set `format:` on this source to one of {FORMAT_VALUES} "
+            "(and `columns:` to map your column names)."
+        )
+    return tasks[0] if tasks else layouts[0]
+
+
+_LAYOUT_KEYS = {
+    "sharegpt": {"conversations"},
+    "messages": {"messages"},
+    "alpaca": {"instruction"},
+    "text": {"text"},
+}
+
+
+def _canonical_keys(keys: Collection[str], columns: Mapping[str, str]) -> set[str]:
+    # A mapped column counts as its role's default name, so `columns: {prompt: question}` finds alpaca.
+    defaults = {
+        **LAYOUT_COLUMNS["alpaca"],
+        "messages": "conversations",
+        "chosen": "chosen",
+        "rejected": "rejected",
+    }
+    present = set(keys)
+    for role, column in columns.items():
+        if column in keys and role in defaults:
+            present.add(defaults[role])
+        if column in keys and role == "kto_tag":
+            present.add("kto_tag")
+    return present
+
+
+_SHAREGPT_ONLY_TAGS = {"user_tag", "assistant_tag", "observation_tag", "function_tag", "system_tag"}
+
+
+def layout_of(keys: Collection[str], columns: Mapping[str, str]) -> Layout:
+    """The conversation layout of a preference or kto row: sharegpt, messages or alpaca.
+
+    Explicit columns decide first (sharegpt tags -> sharegpt, alpaca roles -> alpaca, a
+    `messages` column -> sharegpt as in LLaMA-Factory), then the row's keys.
+    """
+    if _SHAREGPT_ONLY_TAGS & set(columns):
+        return "sharegpt"
+    if {"prompt", "query", "response", "history"} & set(columns):
+        return "alpaca"
+    if "messages" in columns and columns["messages"] in keys:
+        return "messages" if "role_tag" in columns else "sharegpt"
+    for layout in ("sharegpt", "messages", "alpaca"):
+        if _LAYOUT_KEYS[layout] <= set(keys):
+            return layout  # type: ignore[return-value]
+    return "alpaca"  # its missing-field errors then say which columns are needed
+
+
+def build_row_format(
+    format_name: str, columns: Mapping[str, str], first_keys: Collection[str], file: str
+) -> RowFormat:
+    """The RowFormat of a source given its `format` and `columns` and the keys of its first row."""
+    if format_name == "auto":
+        format_name = detect_format(first_keys, file, columns)
+    if format_name == "text":
+        raise UserInputError(
+            f"{file}: the rows hold plain text (format text), which is pretraining data. Fix: use "
+            "train.stage: pretrain, or set `format:` to one of alpaca, sharegpt, messages, preference, kto."
+        )
+    task: Task = format_name if format_name in ("preference", "kto") else "sft"  # type: ignore[assignment]
+    layout: Layout = format_name if task == "sft" else layout_of(first_keys, columns)  # type: ignore[assignment]
+    defaults = {**LAYOUT_COLUMNS[layout], **TASK_COLUMNS[task]}
+    if task == "kto" and "kto_tag" not in columns and "kto_tag" not in first_keys and "label" in first_keys:
+        defaults["kto_tag"] = "label"
+    unknown = sorted(set(columns) - set(defaults))
+    if unknown:
+        raise UserInputError(
+            f"{file}: columns.{unknown[0]} is not a column role of format {format_name} ({layout} layout). "
+            f"Fix: use the roles {', '.join(defaults)}."
+        )
+    return RowFormat(layout, task, {**defaults, **columns})
+
+
+def read_row(data: Any, origin: Origin, row_format: RowFormat, raw: str = "") -> Example | BadRow:
+    """One raw row as an Example, or a BadRow with the reason and the exact problem."""
+    try:
+        if not isinstance(data, dict):
+            raise RowError(MISTYPED_FIELD, f"the row is {type_name(data)}; expected a JSON object")
+        return _read_example(data, origin, row_format)
+    except RowError as err:
+        return BadRow(origin, err.reason, err.detail, raw=excerpt(raw or _row_text(data)))
+
+
+def _row_text(data: Any) -> str:
+    try:
+        return json.dumps(data, ensure_ascii=False, default=str)[:4000]
+    except (TypeError, ValueError):
+        return repr(data)[:4000]
+
+
+def _read_example(row: dict[str, Any], origin: Origin, fmt: RowFormat) -> Example:
+    cols = fmt.columns
+    tools = parse_tools(row.get(cols["tools"]), repr(cols["tools"])) if "tools" in cols else None
+    if fmt.task == "preference":
+        prompt = _conversation(row, fmt, final="user")
+        chosen = _answer(row, cols["chosen"], fmt)
+        rejected = _answer(row, cols["rejected"], fmt)
+        return PreferencePair(prompt, chosen, rejected, origin, tools=tools)
+    messages = _conversation(row, fmt, final="assistant")
+    if fmt.task == "kto":
+        return LabeledConversation(messages, _label(row, cols["kto_tag"]), origin)
+    return Conversation(messages, origin, tools=tools)
+
+
+def _conversation(row: dict[str, Any], fmt: RowFormat, final: Literal["user", "assistant"]) -> list[Message]:
+    """The conversation of a row; for a preference prompt it ends with a user (or tool) turn."""
+    cols = fmt.columns
+    if fmt.layout == "alpaca":
+        return _alpaca_messages(row, cols, with_response=final == "assistant")
+    column = cols["messages"]
+    turns = decode_json_field(_required(row, column), list)
+    if fmt.layout == "sharegpt":
+        messages = sharegpt_messages(turns, column, cols)
+        system = _optional_text(row, cols["system"])
+        if system is not None and not any(m.role == "system" for m in messages):
+            messages.insert(0, Message("system", system))
+    else:
+        messages = openai_messages(turns, column, cols["role_tag"], cols["content_tag"])
+    _check_final_turn(messages, column, final)
+    return messages
+
+
+def _check_final_turn(messages: list[Message], column: str, final: str) -> None:
+    turns = [m for m in messages if m.role != "system"]
+    if not turns:
+        raise RowError(EMPTY_TURN, f"{column!r} has no user or assistant turns")
+    last = turns[-1].role
+    if final == "assistant" and last != "assistant":
+        raise RowError(
+            WRONG_ROLE_ORDER,
+            f"{column!r} ends with a {last!r} turn: missing final assistant turn (the answer to train on)",
+        )
+    if final == "user" and last == "assistant":
+        raise RowError(
+            WRONG_ROLE_ORDER,
+            f"{column!r} ends with an assistant turn; a preference prompt must end with a user turn "
+            "(the answers go in chosen/rejected)",
+        )
+
+
+def _alpaca_messages(row: dict[str, Any], cols: Mapping[str, str], with_response: bool) -> list[Message]:
+    messages: list[Message] = []
+    system = _optional_text(row, cols["system"])
+    if system is not None:
+        messages.append(Message("system", system))
+    for i, pair in enumerate(_history(row, cols["history"])):
+        messages.append(Message("user", require_text(pair[0], f"{cols['history']}[{i}][0]")))
+        messages.append(Message("assistant", require_text(pair[1], f"{cols['history']}[{i}][1]")))
+    instruction = _required(row, cols["prompt"])
+    query = _optional_text(row, cols["query"], allow_empty=True) or ""
+    instruction = require_text(instruction, repr(cols["prompt"]), allow_empty=bool(query.strip()))
+    prompt = "\n".join(part for part in (instruction, query) if part)
+    messages.append(Message("user", require_text(prompt, f"{cols['prompt']!r} + {cols['query']!r}")))
+    if with_response:
+        messages.append(
+            Message("assistant", require_text(_required(row, cols["response"]), repr(cols["response"])))
+        )
+    return messages
+
+
+def _history(row: dict[str, Any], column: str) -> list[Any]:
+    history = decode_json_field(row.get(column), list)
+    if history is None or history == "":
+        return []
+    pairs_ok = isinstance(history, list) and all(isinstance(p, list | tuple) and len(p) == 2 for p in history)
+    if not pairs_ok:
+        raise RowError(
+            MISTYPED_FIELD, f"{column!r} is {type_name(history)}; expected [[user, assistant], ...]"
+        )
+    return history
+
+
+def _answer(row: dict[str, Any], column: str, fmt: RowFormat) -> Message:
+    """A chosen/rejected answer: a string, or one turn in the row's layout."""
+    value = decode_json_field(_required(row, column), dict)
+    if isinstance(value, str):
+        return Message("assistant", require_text(value, repr(column)))
+    if not isinstance(value, dict):
+        raise RowError(
+            MISTYPED_FIELD, f"{column!r} is {type_name(value)}; expected a string or one turn object"
+        )
+    cols = fmt.columns
+    role_tag = cols.get("role_tag", "from" if fmt.layout != "messages" else "role")
+    content_tag = cols.get("content_tag", "value" if fmt.layout != "messages" else "content")
+    role = value.get(role_tag, cols.get("assistant_tag", "assistant"))
+    if role == cols.get("function_tag"):
+        return function_call_message(value.get(content_tag), f"{column}.{content_tag}")
+    if role not in (cols.get("assistant_tag", "gpt"), "assistant"):
+        raise RowError(
+            WRONG_ROLE_ORDER,
+            f"{column}.{role_tag} is {role!r}; a chosen/rejected answer must be an assistant turn",
+        )
+    calls = value.get("tool_calls")
+    if calls:
+        return Message("assistant", "", tool_calls=[tool_call(c, f"{column}.tool_calls") for c in calls])
+    if content_tag not in value:
+        raise RowError(MISSING_FIELD, f"{column} has no {content_tag!r} (keys: {', '.join(sorted(value))})")
+    return Message("assistant", require_text(value[content_tag], f"{column}.{content_tag}"))
+
+
+def _label(row: dict[str, Any], column: str) -> bool:
+    value = _required(row, column)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise RowError(MISTYPED_FIELD, f"{column!r} is {value!r} ({type_name(value)}); expected true or false")
+
+
+def _required(row: dict[str, Any], column: str) -> Any:
+    if column not in row:
+        raise RowError(
+            MISSING_FIELD, f"no {column!r} field (fields present: {', '.join(sorted(row)) or 'none'})"
+        )
+    if row[column] is None:
+        raise RowError(MISSING_FIELD, f"{column!r} is null")
+    return row[column]
+
+
+def _optional_text(row: dict[str, Any], column: str, *, allow_empty: bool = False) -> str | None:
+    """An optional text column: absent, null or empty means none; whitespace-only is an empty turn."""
+    value = row.get(column)
+    if value is None or value == "":
+        return None
+    return require_text(value, repr(column), allow_empty=allow_empty)

@@ -1,0 +1,60 @@
+"""Numerics: real-token counting for every batch layout, throughput windows, perplexity."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import default_data_collator
+
+from lmforge.data.collate import PackedCollator, PaddedCollator
+from lmforge.train.numerics import (
+    REAL_TOKENS_KEY,
+    CountingCollator,
+    ThroughputMeter,
+    feature_tokens,
+    perplexity,
+)
+
+
+def test_real_tokens_for_blocks_samples_and_packed_rows() -> None:
+    assert feature_tokens({"input_ids": torch.arange(8)}) == 8
+    assert feature_tokens({"input_ids": np.arange(5)}) == 5
+    assert feature_tokens({"input_ids": [[1, 2, 3], [4, 5]]}) == 5
+    assert feature_tokens({"input_ids": [np.arange(3), np.arange(4)]}) == 7
+
+
+def test_counting_collator_ignores_padding_even_when_pad_equals_a_real_token() -> None:
+    # pad id 2 also occurs as a real token: counting after padding would get this wrong.
+    samples = [{"input_ids": [2, 2, 3], "labels": [2, 2, 3]}, {"input_ids": [5], "labels": [5]}]
+    padded = CountingCollator(PaddedCollator(pad_token_id=2))(samples)
+    assert padded[REAL_TOKENS_KEY].item() == 4 and padded["input_ids"].shape == (2, 3)
+    rows = [
+        {"input_ids": [[2, 2], [3, 3, 3]], "labels": [[2, 2], [3, 3, 3]]},
+        {"input_ids": [[7]], "labels": [[7]]},
+    ]
+    packed = CountingCollator(PackedCollator(pad_token_id=2))(rows)
+    assert packed[REAL_TOKENS_KEY].item() == 6 and packed["attention_mask"].dim() == 4
+    blocks = CountingCollator(default_data_collator)(
+        [{"input_ids": torch.arange(4), "labels": torch.arange(4)}] * 3
+    )
+    assert blocks[REAL_TOKENS_KEY].item() == 12
+
+
+def test_throughput_window_and_perplexity() -> None:
+    times = iter([0.0, 1.0, 1.0, 3.0])
+    meter = ThroughputMeter(clock=lambda: next(times))
+    meter.step_started(0)
+    meter.step_ended(100)
+    meter.step_started(100)
+    meter.step_ended(300)
+    window = meter.take_window()
+    assert window == {"tokens_per_s": 100.0, "step_time_s": 1.5}
+    assert meter.take_window() == {}
+    assert (
+        perplexity(math.log(20.0)) == pytest.approx(20.0)
+        and perplexity(float("nan")) == math.inf
+        and perplexity(1e6) == math.inf
+    )
