@@ -19,6 +19,7 @@ from lmforge.data.chat import (
     render_conversation,
     resolve_template,
     tokenize_conversation,
+    tokenize_conversations,
 )
 from lmforge.data.examples import Conversation, Message, Origin
 from lmforge.data.tokenizer import train_tokenizer
@@ -199,3 +200,19 @@ def test_truncation_that_leaves_no_supervised_token_is_dropped(base_tokenizer) -
     )
     assert isinstance(sample, Dropped)
     assert sample.reason == "no supervised tokens after truncation"
+
+
+@pytest.mark.parametrize("name", [None, "chatml", "llama3", "qwen2"])
+def test_batched_tokenization_equals_one_by_one(base_tokenizer, name) -> None:
+    """The batched fast path (used by `lmforge prepare`) gives exactly the per-row results."""
+    tokenizer, template = with_template(base_tokenizer, name)
+    conversations = [CHAT, TOOL_CHAT if name in ("llama3", "qwen2") else CHAT, CHAT]
+    settings = {"train_on": "assistant", "max_length": 40, "over_length": "truncate"}
+    batched = tokenize_conversations(conversations, tokenizer, template=template, **settings)
+    single = [tokenize_conversation(c, tokenizer, template=template, **settings) for c in conversations]
+    assert len(batched) == len(single) == 3
+    for one, other in zip(batched, single, strict=True):
+        assert type(one) is type(other)
+        if isinstance(one, TokenizedSample):
+            assert one.input_ids.tolist() == other.input_ids.tolist()
+            assert one.labels.tolist() == other.labels.tolist()

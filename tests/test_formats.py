@@ -272,3 +272,18 @@ def test_weights_are_deterministic_and_match_their_mean() -> None:
     assert mixed == ["a", "a", "b", "b", bad, "c"]  # bad rows pass through once
     half = list(mix_weights([list(range(1000))], [0.5], seed=3))
     assert 400 < len(half) < 600 and half == list(mix_weights([list(range(1000))], [0.5], seed=3))
+
+
+def test_hub_source_without_network_says_how_to_work_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lmforge.data.hub import is_hub_source
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert is_hub_source("hf://tatsu-lab/alpaca") and is_hub_source("tatsu-lab/alpaca")
+    assert not is_hub_source("data/train.jsonl") and not is_hub_source("data/*.jsonl")
+    with pytest.raises(
+        UserInputError, match="could not stream it from the Hugging Face hub.*huggingface-cli download"
+    ):
+        list(
+            iter_source_examples(SourceConfig(path="hf://lmforge-test/no-such-dataset"), memory_budget_mb=64)
+        )

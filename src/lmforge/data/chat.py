@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -18,6 +19,7 @@ from typing import Any, Literal
 import numpy as np
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
+from transformers.utils.chat_template_utils import render_jinja_template
 
 from lmforge.data.examples import Conversation, Message, Origin
 from lmforge.data.tokenizer import CHATML_TEMPLATE
@@ -208,9 +210,93 @@ def tokenize_conversation(
     or raises UserInputError naming its file:line, per `over_length`.
     """
     ids, turns = _ids_and_assistant_turns(conversation, tokenizer, template)
+    return _finish_sample(ids, turns, conversation.origin, tokenizer, train_on, max_length, over_length)
+
+
+def tokenize_conversations(
+    conversations: Sequence[Conversation],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    template: str,
+    train_on: TrainOn,
+    max_length: int,
+    over_length: OverLength,
+) -> list[TokenizedSample | Dropped]:
+    """`tokenize_conversation` for many conversations, same results, faster: conversations
+    without tools under a template with generation markers are rendered one by one but
+    tokenized in one batch call (the Rust backend spreads it over every core)."""
+    batchable = [
+        i for i, c in enumerate(conversations) if not c.tools and _GENERATION_MARKER.search(template)
+    ]
+    results: list[TokenizedSample | Dropped | None] = [None] * len(conversations)
+    if batchable:
+        batch = [conversations[i] for i in batchable]
+        for i, (ids, turns) in zip(
+            batchable, _batched_ids_and_assistant_turns(batch, tokenizer, template), strict=True
+        ):
+            results[i] = _finish_sample(
+                ids, turns, conversations[i].origin, tokenizer, train_on, max_length, over_length
+            )
+    for i, conversation in enumerate(conversations):
+        if results[i] is None:
+            results[i] = tokenize_conversation(
+                conversation,
+                tokenizer,
+                template=template,
+                train_on=train_on,
+                max_length=max_length,
+                over_length=over_length,
+            )
+    return [r for r in results if r is not None]
+
+
+def _batched_ids_and_assistant_turns(
+    conversations: Sequence[Conversation], tokenizer: PreTrainedTokenizerBase, template: str
+) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """What `apply_chat_template(..., return_assistant_tokens_mask=True)` computes, for a batch,
+    without its per-token Python loop: render (transformers' renderer, which returns each
+    assistant span's characters), tokenize the batch in one call, map spans to tokens.
+    tests/test_chat_templates.py checks it matches apply_chat_template exactly."""
+    # Template variables as apply_chat_template passes them (bos_token, eos_token, ...).
+    special_tokens: dict[str, Any] = dict(tokenizer.special_tokens_map)
+    try:
+        # Annotated upstream as `-> str`, it returns (rendered texts, assistant character spans).
+        rendered_and_spans: Any = render_jinja_template(
+            conversations=[message_dicts(c.messages) for c in conversations],
+            chat_template=template,
+            return_assistant_tokens_mask=True,
+            **special_tokens,
+        )
+        rendered, generation_spans = rendered_and_spans
+    except TemplateError as err:
+        raise UserInputError(f"chat template failed to render a conversation: {err}") from None
+    encoded = tokenizer(rendered, add_special_tokens=False)
+    out = []
+    for row, spans in enumerate(generation_spans):
+        ids = list(encoded["input_ids"][row])
+        turns = []
+        for start_char, end_char in spans:
+            start = encoded.char_to_token(row, start_char)
+            if start is None:  # an empty span at the very end renders no token
+                continue
+            end = encoded.char_to_token(row, end_char - 1)
+            turns.append((start, end + 1 if end is not None else len(ids)))
+        out.append((ids, turns))
+    return out
+
+
+def _finish_sample(
+    ids: list[int],
+    turns: list[tuple[int, int]],
+    origin: Origin,
+    tokenizer: PreTrainedTokenizerBase,
+    train_on: TrainOn,
+    max_length: int,
+    over_length: OverLength,
+) -> TokenizedSample | Dropped:
+    """End with the end-of-turn token, set labels per `train_on`, apply the length policy."""
     ids, turns = _end_with_end_of_turn(ids, turns, tokenizer)
     labels = _labels_for(ids, turns, train_on)
-    origin = conversation.origin
     if len(ids) > max_length:
         if over_length == "error":
             raise UserInputError(
@@ -298,24 +384,30 @@ def _assistant_char_spans(
 
 def _runs(mask: Sequence[int]) -> list[tuple[int, int]]:
     """[start, end) spans of consecutive ones in a 0/1 mask."""
-    runs: list[tuple[int, int]] = []
-    start = None
-    for i, bit in enumerate([*mask, 0]):
-        if bit and start is None:
-            start = i
-        elif not bit and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
+    # Vectorised: this runs once per sample over every token, on the prepare hot path.
+    edges = np.diff(np.concatenate(([0], np.asarray(mask, dtype=np.int8) != 0, [0])).astype(np.int8))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    return [(int(a), int(b)) for a, b in zip(starts, ends, strict=True)]
 
 
-def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
+# get_vocab() builds a dict of the whole vocabulary: computed once per tokenizer (and
+# again if tokens were added since), not once per sample.
+_END_OF_TURN_CACHE: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, tuple[int, frozenset[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     """Ids of the tokenizer's EOS and of the common end-of-turn tokens it has."""
+    cached = _END_OF_TURN_CACHE.get(tokenizer)
+    if cached is not None and cached[0] == len(tokenizer):
+        return cached[1]
     vocab = tokenizer.get_vocab()
     ids = {vocab[token] for token in END_OF_TURN_TOKENS if token in vocab}
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    return ids
+    _END_OF_TURN_CACHE[tokenizer] = (len(tokenizer), frozenset(ids))
+    return frozenset(ids)
 
 
 def _end_with_end_of_turn(

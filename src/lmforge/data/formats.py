@@ -26,6 +26,7 @@ from typing import TypeVar
 
 from lmforge.config.schema import SourceConfig
 from lmforge.data.examples import BadRow, Example
+from lmforge.data.hub import is_hub_source, iter_hub_rows
 from lmforge.data.llamafactory import is_dataset_info_source, resolve_dataset_info
 from lmforge.data.row_formats import RowFormat, build_row_format, detect_format, read_row
 from lmforge.data.rows import RawRow, iter_raw_rows, resolve_row_files
@@ -53,6 +54,9 @@ def iter_source_examples(source: SourceConfig, *, memory_budget_mb: int) -> Iter
     """
     if is_dataset_info_source(source):
         source = resolve_dataset_info(source)
+    if is_hub_source(source.path):
+        yield from _hub_examples(source)
+        return
     files = resolve_row_files(source.path)
     row_format = source_row_format(source, files, memory_budget_mb=memory_budget_mb)
     kept = 0
@@ -64,6 +68,17 @@ def iter_source_examples(source: SourceConfig, *, memory_budget_mb: int) -> Iter
                 kept += 1
                 if kept == source.max_documents:
                     return
+
+
+def _hub_examples(source: SourceConfig) -> Iterator[Example | BadRow]:
+    """A hub dataset's rows; its format comes from the first row, like a local file's."""
+    row_format: RowFormat | None = None
+    for kept, (origin, data) in enumerate(iter_hub_rows(source.path), start=1):
+        if row_format is None:
+            row_format = build_row_format(source.format, source.columns, tuple(data), origin.file)
+        yield read_row(data, origin, row_format)
+        if kept == source.max_documents:
+            return
 
 
 def _read(raw: RawRow, row_format: RowFormat | None) -> Example | BadRow:

@@ -10,11 +10,14 @@ samples are never packed together with train samples: packing happens per split.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
+import multiprocessing as mp
+import os
 import shutil
 import tempfile
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lmforge.config.schema import DataConfig, SourceConfig
 from lmforge.data.bad_rows import BadRowPolicy
-from lmforge.data.chat import Dropped, ensure_template_tokens, resolve_template, tokenize_conversation
+from lmforge.data.chat import Dropped, ensure_template_tokens, resolve_template, tokenize_conversations
 from lmforge.data.examples import Conversation
 from lmforge.data.formats import iter_source_examples, mix_weights
 from lmforge.data.packing import best_fit_pack, packing_stats
@@ -225,26 +228,96 @@ class _Tokenizer:
     def all(self, examples: Iterable[Any], split: str) -> RaggedSamples:
         ids: list[np.ndarray] = []
         labels: list[np.ndarray] = []
-        for example in tqdm(examples, desc=f"tokenize {split}", unit="row"):
-            if not isinstance(example, Conversation):
-                raise UserInputError(
-                    f"{example.origin.file}:{example.origin.line}: a {type(example).__name__} row in an SFT "
-                    "dataset; preference and KTO data need train.stage dpo / kto"
-                )
-            result = tokenize_conversation(
-                example,
-                self.tokenizer,
-                template=self.template,
-                train_on=self.cfg.train_on,
-                max_length=self.cfg.max_length,
-                over_length=self.cfg.over_length,
-            )
-            if isinstance(result, Dropped):
-                self.dropped[f"{split}: {result.reason}"] += 1
-                continue
-            ids.append(np.asarray(result.input_ids, dtype=np.int32))
-            labels.append(np.asarray(result.labels, dtype=np.int32))
+        settings = {
+            "template": self.template,
+            "train_on": self.cfg.train_on,
+            "max_length": self.cfg.max_length,
+            "over_length": self.cfg.over_length,
+        }
+        chunks = (list(map(_conversation, chunk)) for chunk in _chunks(examples, _TOKENIZE_CHUNK))
+        with tqdm(desc=f"tokenize {split}", unit="row") as bar:
+            for results in _tokenized_chunks(chunks, self.tokenizer, settings, _worker_count()):
+                for result in results:
+                    if isinstance(result, Dropped):
+                        self.dropped[f"{split}: {result.reason}"] += 1
+                        continue
+                    ids.append(result.input_ids)
+                    labels.append(result.labels)
+                bar.update(len(results))
         return _ragged(ids, labels)
+
+
+def _worker_count() -> int:
+    """Tokenizer processes: one per core (at most 8); rendering chat templates is Python-bound."""
+    return max(
+        1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8)
+    )
+
+
+def _tokenized_chunks(
+    chunks: Iterator[list[Conversation]],
+    tokenizer: PreTrainedTokenizerBase,
+    settings: dict[str, Any],
+    workers: int,
+) -> Iterator[list[Any]]:
+    """Tokenize chunks in order; with several workers, in a process pool with a bounded number
+    of chunks in flight, so memory stays flat however large the input is."""
+    first = next(chunks, None)
+    if first is None:
+        return
+    second = next(chunks, None)
+    if workers == 1 or second is None or "fork" not in mp.get_all_start_methods():
+        # One chunk (or one core): a pool's start-up would cost more than it saves.
+        for chunk in itertools.chain([first], [second] if second else [], chunks):
+            yield tokenize_conversations(chunk, tokenizer, **settings)
+        return
+    # fork: workers inherit the tokenizer without pickling it or re-importing transformers.
+    with mp.get_context("fork").Pool(
+        workers, initializer=_init_worker, initargs=(tokenizer, settings)
+    ) as pool:
+        pending: deque[Any] = deque()
+        for chunk in itertools.chain([first, second], chunks):
+            pending.append(pool.apply_async(_tokenize_in_worker, (chunk,)))
+            if len(pending) > 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer: PreTrainedTokenizerBase, settings: dict[str, Any]) -> None:
+    _WORKER["tokenizer"], _WORKER["settings"] = tokenizer, settings
+
+
+def _tokenize_in_worker(chunk: list[Conversation]) -> list[Any]:
+    return tokenize_conversations(chunk, _WORKER["tokenizer"], **_WORKER["settings"])
+
+
+# Conversations per batched tokenizer call: enough to keep the Rust backend's threads busy,
+# few enough that one chunk's Python objects stay small.
+_TOKENIZE_CHUNK = 512
+
+
+def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def _conversation(example: Any) -> Conversation:
+    if not isinstance(example, Conversation):
+        raise UserInputError(
+            f"{example.origin.file}:{example.origin.line}: a {type(example).__name__} row in an SFT "
+            "dataset; preference and KTO data need train.stage dpo / kto"
+        )
+    return example
 
 
 def _ragged(ids: list[np.ndarray], labels: list[np.ndarray]) -> RaggedSamples:
