@@ -10,6 +10,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# A preset narrowed so that each end-to-end training run in the suite takes seconds.
+SMALL_ARCH = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
 
 
 @pytest.fixture(autouse=True)

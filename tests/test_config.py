@@ -180,10 +180,19 @@ def test_cross_section_rules_are_reported_with_the_fix(tmp_path: Path) -> None:
     assert "pretraining already packs text into full blocks" in message
     message = errors_of(path, ["data.train.0.format=alpaca"])
     assert "train.stage: pretrain reads raw text" in message
+    message = errors_of(path, ["train.stage=sft", "data.train.0.format=messages"])
+    assert f"{path}:6: tokenizer.train: tokenizer.train learns from raw text sources" in message
 
 
 def test_sft_with_packing_on_sdpa_is_accepted(tmp_path: Path) -> None:
     cfg = load_config(
-        write(tmp_path, VALID), ["train.stage=sft", "data.packing=true", "data.train.0.format=messages"]
+        write(tmp_path, VALID),
+        [
+            "train.stage=sft",
+            "data.packing=true",
+            "data.train.0.format=messages",
+            "tokenizer.train=null",
+            "tokenizer.path=tok",
+        ],
     )
     assert cfg.data.packing and cfg.train.stage == "sft"

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from lmforge.config.schema import ModelConfig, TokenizerTrainConfig
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.models.build import build_model
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, SMALL_ARCH, run_cli
 
 pytestmark = pytest.mark.slow
 CHAT = ROOT / "examples" / "data" / "chat_messages.jsonl"
@@ -25,16 +25,9 @@ def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("base") / "model"
     texts = CHAT.read_text().splitlines() + ALPACA.read_text().splitlines()
     tokenizer = train_tokenizer(texts * 3, TokenizerTrainConfig(vocab_size=400, min_frequency=1))
-    small = {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-    }
-    build_model(ModelConfig(preset="llama-tiny", config=small), tokenizer, max_length=256).save_pretrained(
-        out
-    )
+    build_model(
+        ModelConfig(preset="llama-tiny", config=SMALL_ARCH), tokenizer, max_length=256
+    ).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 

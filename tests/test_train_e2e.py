@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lmforge.ckpt.atomic import MARKER_NAME
-from tests.conftest import run_cli
+from tests.conftest import SMALL_ARCH, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -22,14 +22,7 @@ CONFIG = {
     "run": {"name": "base", "seed": 0},
     "model": {
         "preset": "llama-tiny",
-        # Narrower than the preset so each test run takes seconds.
-        "config": {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-        },
+        "config": SMALL_ARCH,
     },
     "tokenizer": {"train": {"vocab_size": 512, "max_chars": 400_000}},
     "data": {
@@ -204,13 +197,7 @@ def test_other_architecture_with_epochs_bf16_and_gradient_checkpointing(tmp_path
         tmp_path,
         model={
             "preset": "qwen2-tiny",
-            "config": {
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-            },
+            "config": SMALL_ARCH,
         },
         data={"train": [{"path": str(corpus), "text_field": "body"}], "eval_fraction": 0.0},
         train={

@@ -50,6 +50,12 @@ RULES: list[Rule] = [
         "train.stage: sft needs conversation rows (alpaca, sharegpt, messages); format: text is for pretraining",
     ),
     (
+        lambda c: c.train.stage == "sft" and c.tokenizer.train is not None,
+        "tokenizer.train",
+        "tokenizer.train learns from raw text sources; for train.stage: sft train one with "
+        "`lmforge tokenizer train --input ... --out DIR` and set tokenizer.path: DIR, or use model.path's tokenizer",
+    ),
+    (
         lambda c: c.train.stage == "sft" and any(s.format in ("preference", "kto") for s in c.data.train),
         "data.train",
         "preference and kto rows need a preference stage (dpo / kto), not train.stage: sft",

@@ -10,9 +10,7 @@ Arrow IPC files; read in record batches). A line that cannot be decoded becomes 
 from __future__ import annotations
 
 import csv
-import glob
 import json
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +28,11 @@ from lmforge.data.bad_rows import (
     excerpt,
 )
 from lmforge.data.examples import BadRow, Origin
+from lmforge.data.sources import resolve_paths
 from lmforge.errors import UserInputError
 
 ROW_SUFFIXES = frozenset({".jsonl", ".json", ".csv", ".parquet", ".arrow"})
 BATCH_ROWS = 1024  # rows converted to Python objects at a time from parquet/arrow
-_GLOB_CHARS = re.compile(r"[*?\[]")
 _SHORT_EXCERPT = 200  # a bad line's excerpt in BadRow.raw: enough to find it, small for huge lines
 _BOM = b"\xef\xbb\xbf"
 # Metadata next to data in HF `save_to_disk` and LLaMA-Factory directories, never rows.
@@ -51,37 +49,9 @@ class RawRow:
 
 
 def resolve_row_files(path: str) -> list[Path]:
-    """The row files a source path names, sorted: the file, a glob's matches or a directory's
-    supported files (recursively). Raises UserInputError when nothing usable matches.
-    """
-    resolved = Path(path).expanduser()
-    if _GLOB_CHARS.search(path):
-        files = sorted(Path(p) for p in glob.glob(str(resolved), recursive=True) if Path(p).is_file())
-    elif resolved.is_dir():
-        files = sorted(
-            p
-            for p in resolved.rglob("*")
-            if p.is_file() and p.suffix.lower() in ROW_SUFFIXES and p.name not in _METADATA_FILES
-        )
-    elif resolved.is_file():
-        files = [resolved]
-    else:
-        raise UserInputError(
-            f"data source {path!r}: no such file or directory (resolved to {resolved.resolve()}). "
-            "Fix: correct the path, or use a glob like 'data/*.jsonl'."
-        )
-    if not files:
-        raise UserInputError(
-            f"data source {path!r}: no {', '.join(sorted(ROW_SUFFIXES))} files found. "
-            "Fix: point the path at existing data files."
-        )
-    for file in files:
-        if file.suffix.lower() not in ROW_SUFFIXES:
-            raise UserInputError(
-                f"data source {path!r}: {file} has unsupported type {file.suffix or '(no suffix)'!r} "
-                f"for fine-tuning rows. Fix: use one of {', '.join(sorted(ROW_SUFFIXES))}."
-            )
-    return files
+    """The row files a source path names, sorted (see `sources.resolve_paths`); a directory
+    saved by `datasets.save_to_disk` reads as data (its metadata files are skipped)."""
+    return resolve_paths(path, ROW_SUFFIXES, skip_names=_METADATA_FILES)
 
 
 def iter_raw_rows(file: Path, *, memory_budget_mb: int) -> Iterator[RawRow | BadRow]:

@@ -49,59 +49,63 @@ class SourceStats:
 
 
 def resolve_files(source: SourceConfig) -> list[Path]:
-    """The files a source names, sorted: the file itself, the glob's matches, or a directory's
-    supported files found recursively. A built-in corpus gives its own files.
+    """The files of a pretraining text source, sorted; a built-in corpus gives its own files."""
+    if is_builtin(source.path):
+        return builtin_files(source.path)
+    return resolve_paths(source.path, SUPPORTED_SUFFIXES)
+
+
+def resolve_paths(
+    source_path: str, suffixes: frozenset[str], *, skip_names: frozenset[str] = frozenset()
+) -> list[Path]:
+    """The files a source path names, sorted: the file itself, a glob's matches, or a directory's
+    files with one of `suffixes`, found recursively (other files there are skipped with a
+    warning; `skip_names` silently). Shared by text sources and fine-tuning row sources.
 
     Raises UserInputError when nothing matches or a named file has an unsupported type.
     """
-    if is_builtin(source.path):
-        return builtin_files(source.path)
-    path = Path(source.path).expanduser()
-    if _GLOB_CHARS.search(source.path):
+    path = Path(source_path).expanduser()
+    if _GLOB_CHARS.search(source_path):
         matches = [Path(p) for p in glob.glob(str(path), recursive=True)]
         files = sorted(p for p in matches if p.is_file())
-        searched = f"the glob {source.path!r}" + ("" if path.is_absolute() else f" from {Path.cwd()}")
+        searched = f"the glob {source_path!r}" + ("" if path.is_absolute() else f" from {Path.cwd()}")
     elif path.is_dir():
-        files = _supported_files_in(path)
-        searched = f"directory {path} recursively for {', '.join(sorted(SUPPORTED_SUFFIXES))} files"
+        files = _supported_files_in(path, suffixes, skip_names)
+        searched = f"directory {path} recursively for {', '.join(sorted(suffixes))} files"
     elif path.is_file():
         files = [path]
         searched = str(path)
     else:
         raise UserInputError(
-            f"data source {source.path!r}: no such file or directory (resolved to {path.resolve()}). "
+            f"data source {source_path!r}: no such file or directory (resolved to {path.resolve()}). "
             "Fix: correct the path, or use a glob like 'data/*.jsonl' or a built-in corpus like "
             "'builtin:python-stdlib'."
         )
     if not files:
         raise UserInputError(
-            f"data source {source.path!r}: no files found; searched {searched}. "
+            f"data source {source_path!r}: no files found; searched {searched}. "
             "Fix: point the path at existing data files."
         )
     for file in files:
-        _check_supported(file, source.path)
+        if file.suffix.lower() not in suffixes:
+            raise UserInputError(
+                f"data source {source_path!r}: {file} has unsupported type {file.suffix or '(no suffix)'!r}. "
+                f"Fix: use one of {', '.join(sorted(suffixes))}, or narrow the glob."
+            )
     return files
 
 
-def _supported_files_in(directory: Path) -> list[Path]:
-    files = sorted(p for p in directory.rglob("*") if p.is_file())
-    supported = [p for p in files if p.suffix.lower() in SUPPORTED_SUFFIXES]
+def _supported_files_in(directory: Path, suffixes: frozenset[str], skip_names: frozenset[str]) -> list[Path]:
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name not in skip_names)
+    supported = [p for p in files if p.suffix.lower() in suffixes]
     ignored = len(files) - len(supported)
     if ignored:
         # Directories often hold READMEs or indexes; say what was ignored instead of failing.
-        examples = ", ".join(str(p) for p in files if p.suffix.lower() not in SUPPORTED_SUFFIXES)[:300]
+        examples = ", ".join(str(p) for p in files if p.suffix.lower() not in suffixes)[:300]
         logger.warning(
             "data source %s: ignored %d file(s) of unsupported type: %s", directory, ignored, examples
         )
     return supported
-
-
-def _check_supported(file: Path, source_path: str) -> None:
-    if file.suffix.lower() not in SUPPORTED_SUFFIXES:
-        raise UserInputError(
-            f"data source {source_path!r}: {file} has unsupported type {file.suffix or '(no suffix)'!r}. "
-            f"Fix: use one of {', '.join(sorted(SUPPORTED_SUFFIXES))}, or narrow the glob."
-        )
 
 
 def iter_documents(source: SourceConfig, stats: SourceStats | None = None) -> Iterator[str]:
