@@ -13,6 +13,7 @@ from lmforge.data.chat import (
     IGNORE_INDEX,
     Dropped,
     TokenizedSample,
+    _batched_ids_and_assistant_turns,
     end_of_turn_ids,
     ensure_template_tokens,
     message_dicts,
@@ -216,3 +217,24 @@ def test_batched_tokenization_equals_one_by_one(base_tokenizer, name) -> None:
         if isinstance(one, TokenizedSample):
             assert one.input_ids.tolist() == other.input_ids.tolist()
             assert one.labels.tolist() == other.labels.tolist()
+
+
+@pytest.mark.parametrize(("name", "conv"), [c for c in CASES if c[0] is not None], ids=IDS[1:])
+def test_assistant_spans_match_apply_chat_template_mask(base_tokenizer, name, conv) -> None:
+    """lmforge maps the renderer's character spans to tokens itself (no per-token loop);
+    the result must be exactly the mask transformers' apply_chat_template computes."""
+    tokenizer, template = with_template(base_tokenizer, name)
+    reference = tokenizer.apply_chat_template(
+        message_dicts(conv.messages),
+        tools=conv.tools,
+        chat_template=template,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
+    [(ids, turns)] = _batched_ids_and_assistant_turns([conv], tokenizer, template, conv.tools)
+    mask = np.zeros(len(ids), dtype=int)
+    for start, end in turns:
+        mask[start:end] = 1
+    assert ids == list(reference["input_ids"])
+    assert mask.tolist() == list(reference["assistant_masks"])

@@ -251,18 +251,23 @@ def tokenize_conversations(
 
 
 def _batched_ids_and_assistant_turns(
-    conversations: Sequence[Conversation], tokenizer: PreTrainedTokenizerBase, template: str
+    conversations: Sequence[Conversation],
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[tuple[list[int], list[tuple[int, int]]]]:
-    """What `apply_chat_template(..., return_assistant_tokens_mask=True)` computes, for a batch,
-    without its per-token Python loop: render (transformers' renderer, which returns each
-    assistant span's characters), tokenize the batch in one call, map spans to tokens.
-    tests/test_chat_templates.py checks it matches apply_chat_template exactly."""
+    """Token ids and assistant [start, end) token spans of conversations sharing `tools`, for a
+    template with generation markers. What `apply_chat_template(..., return_assistant_tokens_mask=True)`
+    computes, without its per-token Python loop: render (transformers' renderer, which returns
+    each assistant span's characters), tokenize the batch in one call, map spans to tokens.
+    tests/test_chat_templates.py checks it against apply_chat_template's mask."""
     # Template variables as apply_chat_template passes them (bos_token, eos_token, ...).
     special_tokens: dict[str, Any] = dict(tokenizer.special_tokens_map)
     try:
         # Annotated upstream as `-> str`, it returns (rendered texts, assistant character spans).
         rendered_and_spans: Any = render_jinja_template(
             conversations=[message_dicts(c.messages) for c in conversations],
+            tools=list(tools) if tools else None,
             chat_template=template,
             return_assistant_tokens_mask=True,
             **special_tokens,
@@ -271,18 +276,23 @@ def _batched_ids_and_assistant_turns(
     except TemplateError as err:
         raise UserInputError(f"chat template failed to render a conversation: {err}") from None
     encoded = tokenizer(rendered, add_special_tokens=False)
-    out = []
-    for row, spans in enumerate(generation_spans):
-        ids = list(encoded["input_ids"][row])
-        turns = []
-        for start_char, end_char in spans:
-            start = encoded.char_to_token(row, start_char)
-            if start is None:  # an empty span at the very end renders no token
-                continue
-            end = encoded.char_to_token(row, end_char - 1)
-            turns.append((start, end + 1 if end is not None else len(ids)))
-        out.append((ids, turns))
-    return out
+    return [
+        (list(encoded["input_ids"][row]), _token_spans(encoded, row, spans))
+        for row, spans in enumerate(generation_spans)
+    ]
+
+
+def _token_spans(encoded: Any, row: int, char_spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[start, end) token spans covering the [start, end) character spans of row `row`."""
+    length = len(encoded["input_ids"][row])
+    turns = []
+    for start_char, end_char in char_spans:
+        start = encoded.char_to_token(row, start_char)
+        if start is None or end_char <= start_char:  # an empty span at the very end renders no token
+            continue
+        end = encoded.char_to_token(row, end_char - 1)
+        turns.append((start, end + 1 if end is not None else length))
+    return turns
 
 
 def _finish_sample(
@@ -331,28 +341,13 @@ def _ids_and_assistant_turns(
     conversation: Conversation, tokenizer: PreTrainedTokenizerBase, template: str
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """Token ids of the rendered conversation and each assistant turn's [start, end) token span."""
-    messages = message_dicts(conversation.messages)
     if _GENERATION_MARKER.search(template):
-        out = _render(
-            tokenizer,
-            messages,
-            conversation.tools,
-            template,
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-        )
-        return list(out["input_ids"]), _runs(out["assistant_masks"])
+        return _batched_ids_and_assistant_turns([conversation], tokenizer, template, conversation.tools)[0]
+    messages = message_dicts(conversation.messages)
     text = str(_render(tokenizer, messages, conversation.tools, template, tokenize=False))
     char_spans = _assistant_char_spans(tokenizer, messages, conversation.tools, template, text)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    offsets = encoded["offset_mapping"]
-    turns = []
-    for start, end in char_spans:
-        inside = [i for i, (a, b) in enumerate(offsets) if a < end and b > start]
-        if inside:
-            turns.append((inside[0], inside[-1] + 1))
-    return list(encoded["input_ids"]), turns
+    encoded = tokenizer([text], add_special_tokens=False)
+    return list(encoded["input_ids"][0]), _token_spans(encoded, 0, char_spans)
 
 
 def _assistant_char_spans(
@@ -380,14 +375,6 @@ def _assistant_char_spans(
             )
         spans.append((len(prompt), len(upto.rstrip())))
     return spans
-
-
-def _runs(mask: Sequence[int]) -> list[tuple[int, int]]:
-    """[start, end) spans of consecutive ones in a 0/1 mask."""
-    # Vectorised: this runs once per sample over every token, on the prepare hot path.
-    edges = np.diff(np.concatenate(([0], np.asarray(mask, dtype=np.int8) != 0, [0])).astype(np.int8))
-    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
-    return [(int(a), int(b)) for a, b in zip(starts, ends, strict=True)]
 
 
 # get_vocab() builds a dict of the whole vocabulary: computed once per tokenizer (and

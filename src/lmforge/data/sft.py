@@ -203,8 +203,7 @@ def _build(
         "dropped": dict(tokenize.dropped),
         "train": _split_report(train, cfg.max_length),
         "eval": _split_report(evaluation, cfg.max_length) if evaluation is not None else {"samples": 0},
-        "exact_duplicates_in_train": _duplicates(train),
-        "eval_samples_also_in_train": _overlap(train, evaluation) if evaluation is not None else 0,
+        **_duplicate_counts(train, evaluation),
         "chat_template": cfg.chat_template or "tokenizer",
         "train_on": cfg.train_on,
     }
@@ -377,11 +376,9 @@ def _hashes(samples: RaggedSamples) -> list[bytes]:
     ]
 
 
-def _duplicates(samples: RaggedSamples) -> int:
-    hashes = _hashes(samples)
-    return len(hashes) - len(set(hashes))
-
-
-def _overlap(train: RaggedSamples, evaluation: RaggedSamples) -> int:
-    seen = set(_hashes(train))
-    return sum(h in seen for h in _hashes(evaluation))
+def _duplicate_counts(train: RaggedSamples, evaluation: RaggedSamples | None) -> dict[str, int]:
+    """Exact duplicates within train, and eval samples that also occur in train (contamination)."""
+    train_hashes = _hashes(train)
+    seen = set(train_hashes)
+    overlap = sum(h in seen for h in _hashes(evaluation)) if evaluation is not None else 0
+    return {"exact_duplicates_in_train": len(train_hashes) - len(seen), "eval_samples_also_in_train": overlap}

@@ -31,7 +31,6 @@ class RunData:
     collator: Callable[[list[Any]], dict[str, Any]]
     fingerprint: str
     report: dict[str, Any]
-    from_cache: bool
 
 
 def resolve_cache_dir(cfg: LmforgeConfig) -> Path:
@@ -100,7 +99,6 @@ def _pretraining_data(cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase, ca
         collator=default_data_collator,
         fingerprint=text.fingerprint,
         report=text.report,
-        from_cache=text.from_cache,
     )
 
 
@@ -135,4 +133,4 @@ def _sft_data(
             collator = PaddingFreeCollator()
         else:
             collator = PaddedCollator(pad_token_id=tokenizer.pad_token_id)
-    return RunData(train, evaluation, collator, sft.fingerprint, sft.report, sft.from_cache)
+    return RunData(train, evaluation, collator, sft.fingerprint, sft.report)
