@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import resource
 import statistics
 import tempfile
@@ -31,12 +32,19 @@ def run_lmforge(data: str, tokenizer_dir: str, cache: str, queue: mp.Queue) -> N
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     cfg = DataConfig(train=[SourceConfig(path=data)], max_length=4096)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), _cpu_seconds()
     prepared = prepare_sft_data(
         cfg, tokenizer, seed=0, cache_dir=Path(cache), quarantine_path=Path(cache) / "bad"
     )
     seconds = time.perf_counter() - started
-    queue.put({"seconds": seconds, "rows": len(prepared.train), "peak_rss_mib": _peak_rss_mib()})
+    queue.put(
+        {
+            "seconds": seconds,
+            "cpu_seconds": _cpu_seconds() - cpu,
+            "rows": len(prepared.train),
+            "peak_rss_mib": _peak_rss_mib(),
+        }
+    )
 
 
 def run_baseline(data: str, tokenizer_dir: str, cache: str, queue: mp.Queue) -> None:
@@ -44,14 +52,28 @@ def run_baseline(data: str, tokenizer_dir: str, cache: str, queue: mp.Queue) -> 
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), _cpu_seconds()
     dataset = load_dataset("json", data_files=data, split="train", cache_dir=cache)
     tokenized = dataset.map(
         lambda row: tokenizer.apply_chat_template(row["messages"], tokenize=True, return_dict=True),
         remove_columns=["messages"],
     )
     seconds = time.perf_counter() - started
-    queue.put({"seconds": seconds, "rows": len(tokenized), "peak_rss_mib": _peak_rss_mib()})
+    queue.put(
+        {
+            "seconds": seconds,
+            "cpu_seconds": _cpu_seconds() - cpu,
+            "rows": len(tokenized),
+            "peak_rss_mib": _peak_rss_mib(),
+        }
+    )
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process, its threads and its finished children (the tokenize workers):
+    unlike wall time it barely moves when other jobs share the machine."""
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(u.ru_utime + u.ru_stime for u in usage)
 
 
 def _peak_rss_mib() -> float:
@@ -94,14 +116,17 @@ def main() -> None:
             )
     for side, results in runs.items():
         rates = [r["rows"] / r["seconds"] for r in results]
+        cpu = [1e6 * r["cpu_seconds"] / r["rows"] for r in results]
         print(
             f"{side:9s}: {statistics.median(rates):,.0f} rows/s  runs={[round(r) for r in rates]}  "
+            f"CPU {statistics.median(cpu):,.0f} us/row  runs={[round(c) for c in cpu]}  "
             f"peak RSS {max(r['peak_rss_mib'] for r in results):.0f} MiB  rows={results[0]['rows']}"
         )
     ratio = statistics.median(r["rows"] / r["seconds"] for r in runs["lmforge"]) / statistics.median(
         r["rows"] / r["seconds"] for r in runs["baseline"]
     )
     print(f"ratio lmforge / datasets.map: {ratio:.2f}x (goal >= 2x)")
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
 
 
 if __name__ == "__main__":

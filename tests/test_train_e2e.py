@@ -263,3 +263,13 @@ def test_quickstart_runs_offline_and_says_where_everything_is(tmp_path: Path) ->
         "where everything is" in result.stdout
         and str(tmp_path / "qs" / "pretrain" / "final") in result.stdout
     )
+    # LoRA SFT on the generated word-group task: held-out accuracy must clearly rise.
+    finetune = summary["results"]["finetune"]
+    print(
+        "held-out accuracy", finetune["held_out_accuracy_before"], "->", finetune["held_out_accuracy_after"]
+    )
+    assert finetune["held_out_accuracy_before"] <= 0.1
+    assert finetune["held_out_accuracy_after"] >= 0.6
+    final = Path(finetune["final_dir"])
+    assert (final / "adapter" / "adapter_config.json").is_file()  # PEFT adapter
+    assert (final / "model.safetensors").is_file()  # and the merged model

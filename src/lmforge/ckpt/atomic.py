@@ -16,6 +16,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MANIFEST_NAME = "lmforge_manifest.json"
 MARKER_NAME = "COMPLETE"
@@ -117,13 +118,30 @@ def find_latest_complete(checkpoints_dir: Path) -> tuple[CheckpointStatus | None
     return None, rejected
 
 
-def rotate_checkpoints(checkpoints_dir: Path, keep_last: int) -> list[Path]:
-    """Delete complete checkpoints beyond the newest `keep_last`; returns what was deleted."""
+def rotate_checkpoints(checkpoints_dir: Path, keep_last: int, keep: set[str] | None = None) -> list[Path]:
+    """Delete complete checkpoints beyond the newest `keep_last`, sparing the names in `keep`
+    (the best one); returns what was deleted."""
     complete = [d for d in list_step_dirs(checkpoints_dir) if (d / MARKER_NAME).is_file()]
-    doomed = complete[keep_last:]
+    doomed = [d for d in complete[keep_last:] if d.name not in (keep or set())]
     for directory in doomed:
         shutil.rmtree(directory)
     return doomed
+
+
+BEST_NAME = "best.json"
+
+
+def read_best(checkpoints_dir: Path) -> dict[str, Any] | None:
+    """checkpoints/best.json: {step, metric, value, path} of the best checkpoint, if recorded."""
+    path = checkpoints_dir / BEST_NAME
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_best(checkpoints_dir: Path, best: dict[str, Any]) -> None:
+    """Replace best.json atomically (written aside, fsynced, renamed)."""
+    partial = checkpoints_dir / (BEST_NAME + ".partial")
+    _write_synced(partial, json.dumps(best, indent=2))
+    os.replace(partial, checkpoints_dir / BEST_NAME)
 
 
 def _write_synced(path: Path, text: str) -> None:

@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 import yaml
@@ -102,7 +103,11 @@ def prepare(
     cfg = load_config(config, overrides)
     report_path, tokenizer, data = prepare_run_data(cfg)
     console.print_json(json.dumps(data.report))
-    for number, (ids, labels) in enumerate(first_samples(data, show), start=1):
+    # Preference / KTO rows are tokenized by TRL at train time: shown as rendered text.
+    shown = (
+        _show_preference_rows(tokenizer, data, show) if data.collator is None else first_samples(data, show)
+    )
+    for number, (ids, labels) in enumerate(shown, start=1):
         console.rule(
             f"sample {number}: {len(ids)} tokens, {sum(label != -100 for label in labels)} with loss"
         )
@@ -110,9 +115,24 @@ def prepare(
         for piece, supervised in supervised_runs(tokenizer, ids, labels):
             text.append(piece, style="bold green" if supervised else "dim")
         console.print(text)
-    if show:
+    if show and data.collator is not None:
         console.print("[dim]dim: context only (no loss)[/]   [bold green]green: tokens that carry loss[/]")
     console.print(f"data report written to {report_path}")
+
+
+def _show_preference_rows(tokenizer: Any, data: Any, count: int) -> list[tuple[list[int], list[int]]]:
+    """The first rows as training renders them: the prompt through the chat template, then each answer."""
+    for number in range(min(count, len(data.train))):
+        row = data.train[number]
+        prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        answers = {k: row[k] for k in ("chosen", "rejected", "completion") if k in row}
+        label = f" (label: {'desirable' if row['label'] else 'undesirable'})" if "label" in row else ""
+        console.rule(f"row {number + 1}{label}")
+        console.print(prompt, markup=False, highlight=False, end="")
+        for name, answer in answers.items():
+            console.print(f"[bold green]{name}:[/] ", end="")
+            console.print(answer[0]["content"], markup=False, highlight=False)
+    return []
 
 
 @app.command()
@@ -121,14 +141,119 @@ def quickstart(
         Path("runs/quickstart"), "--out", help="Directory for everything the quickstart makes."
     ),
     steps: int = typer.Option(200, help="Pretraining steps (fewer for a faster, rougher demo)."),
+    finetune_steps: int = typer.Option(200, help="LoRA fine-tuning steps on the word-group task."),
 ) -> None:
-    """Offline demo of the whole pipeline on CPU in minutes: tokenizer, pretraining, evaluation, sample.
+    """Offline demo of the whole pipeline on CPU in minutes: tokenizer, pretraining, evaluation, sample,
+    LoRA fine-tuning with held-out accuracy before and after.
 
     Example: `lmforge quickstart --out runs/quickstart`
     """
     from lmforge.pipeline.quickstart import run_quickstart
 
-    run_quickstart(out, pretrain_steps=steps, console=console)
+    run_quickstart(out, pretrain_steps=steps, finetune_steps=finetune_steps, console=console)
+
+
+@app.command("eval")
+def eval_command(
+    target: Path = typer.Argument(
+        ..., help="A run's YAML config (evaluates its final/ model) or a model directory."
+    ),
+    data: list[Path] = typer.Option(
+        None,
+        "--data",
+        help="Text (.txt, jsonl with 'text') or QA jsonl rows to evaluate on (repeatable).",
+        show_default=False,
+    ),
+    scoring: str = typer.Option(
+        "exact", "--scoring", help="QA scoring: exact (whitespace-normalised, case-sensitive) or contains."
+    ),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Longest generated answer, in tokens."),
+    limit: int = typer.Option(
+        None, "--limit", help="Evaluate at most N rows (QA) or blocks (text) per source.", show_default=False
+    ),
+    tasks: str = typer.Option(
+        None,
+        "--tasks",
+        help="lm-evaluation-harness tasks, comma-separated (needs: pip install lm-eval).",
+        show_default=False,
+    ),
+    adapter: Path = typer.Option(
+        None, "--adapter", help="PEFT adapter directory to apply on top of the model.", show_default=False
+    ),
+    out: Path = typer.Option(
+        None,
+        "--out",
+        help="Where to write the JSON summary [default: <model_dir>/eval.json].",
+        show_default=False,
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print only the JSON summary on stdout."),
+) -> None:
+    """Perplexity, QA accuracy and generation samples of a trained model.
+
+    Example: `lmforge eval runs/sft/final --data qa.jsonl --scoring contains --json`
+    """
+    from lmforge.evaluate.run import EvalRequest, evaluate, json_safe, summary_lines
+
+    if scoring not in ("exact", "contains"):
+        raise UserInputError(f"--scoring: {scoring!r} is not one of exact, contains")
+    request = EvalRequest(
+        target=target,
+        data=list(data or []),
+        scoring=scoring,  # type: ignore[arg-type]
+        max_new_tokens=max_new_tokens,
+        limit=limit,
+        tasks=[t.strip() for t in (tasks or "").split(",") if t.strip()],
+        adapter=adapter,
+    )
+    model_dir, summary = evaluate(request)
+    document = json.dumps(json_safe(summary), indent=2)
+    out_path = out or model_dir / "eval.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(document + "\n", encoding="utf-8")
+    if as_json:
+        sys.stdout.write(document + "\n")
+        return
+    for line in summary_lines(summary):
+        console.print(line, markup=False, highlight=False)
+    console.print(f"summary written to {out_path}", markup=False, highlight=False)
+
+
+@app.command()
+def generate(
+    model_dir: Path = typer.Argument(..., help="Model directory, adapter directory or a run's final/."),
+    prompt: str = typer.Option(..., "--prompt", help="The user message."),
+    system: str = typer.Option(None, "--system", help="Optional system message.", show_default=False),
+    adapter: Path = typer.Option(
+        None, "--adapter", help="PEFT adapter directory to apply on top of the model.", show_default=False
+    ),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Longest reply, in tokens."),
+    temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature; 0 is greedy."),
+) -> None:
+    """Quick inference with the model's chat template; the reply streams as it is generated.
+
+    Example: `lmforge generate runs/sft/final --prompt 'What is 2 + 3?' --max-new-tokens 32`
+    """
+    from lmforge.evaluate.loading import load_for_inference
+
+    if temperature < 0:
+        raise UserInputError(
+            f"--temperature: {temperature} is negative; use 0 for greedy or a positive value"
+        )
+    model, tokenizer = load_for_inference(model_dir, adapter)  # torch loads after the path checks
+    from transformers import TextStreamer
+
+    from lmforge.evaluate.generation import chat_messages, generate_ids
+
+    # Prints to stdout as tokens come; skip_special_tokens keeps the end-of-turn token out of it.
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    generate_ids(
+        model,
+        tokenizer,
+        chat_messages(prompt, system),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        streamer=streamer,
+    )  # the streamer ends the reply with a newline
 
 
 @config_app.command("show")

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from lmforge.config.schema import LmforgeConfig
 
 CHAT_FORMATS = {"alpaca", "sharegpt", "messages"}
+PREFERENCE_STAGES = {"dpo", "kto", "rm"}
 
 Rule = tuple[Callable[[LmforgeConfig], bool], str, str]
 
@@ -45,20 +46,75 @@ RULES: list[Rule] = [
         "train.stage: pretrain reads raw text (format: text); set train.stage: sft for conversation data",
     ),
     (
-        lambda c: c.train.stage == "sft" and any(s.format == "text" for s in [*c.data.train, *c.data.eval]),
+        lambda c: (
+            c.train.stage != "pretrain" and any(s.format == "text" for s in [*c.data.train, *c.data.eval])
+        ),
         "data.train",
-        "train.stage: sft needs conversation rows (alpaca, sharegpt, messages); format: text is for pretraining",
+        "format: text is raw pretraining text; train.stage: sft/dpo/kto/rm needs conversation or preference rows",
     ),
     (
-        lambda c: c.train.stage == "sft" and c.tokenizer.train is not None,
+        lambda c: c.train.stage != "pretrain" and c.tokenizer.train is not None,
         "tokenizer.train",
-        "tokenizer.train learns from raw text sources; for train.stage: sft train one with "
+        "tokenizer.train learns from raw text sources; for fine-tuning stages train one with "
         "`lmforge tokenizer train --input ... --out DIR` and set tokenizer.path: DIR, or use model.path's tokenizer",
     ),
     (
         lambda c: c.train.stage == "sft" and any(s.format in ("preference", "kto") for s in c.data.train),
         "data.train",
-        "preference and kto rows need a preference stage (dpo / kto), not train.stage: sft",
+        "preference and kto rows need a preference stage (dpo / kto / rm), not train.stage: sft",
+    ),
+    (
+        lambda c: (
+            c.train.stage in ("dpo", "rm")
+            and any(s.format in CHAT_FORMATS | {"kto"} for s in [*c.data.train, *c.data.eval])
+        ),
+        "data.train",
+        "train.stage: dpo and rm learn from preference pairs (format: preference, with chosen and rejected)",
+    ),
+    (
+        lambda c: (
+            c.train.stage == "kto" and any(s.format in CHAT_FORMATS for s in [*c.data.train, *c.data.eval])
+        ),
+        "data.train",
+        "train.stage: kto learns from labelled rows (format: kto) or preference pairs (format: preference)",
+    ),
+    (
+        lambda c: c.train.stage in PREFERENCE_STAGES and (c.data.packing or c.data.padding_free),
+        "data.packing",
+        "preference stages batch chosen and rejected answers side by side; packing applies to pretrain and sft",
+    ),
+    (
+        lambda c: c.train.method in ("lora", "dora", "qlora") and c.model.path is None,
+        "train.method",
+        "adapters train on top of pretrained weights that must exist on disk to load the adapter later; "
+        "set model.path to the model to fine-tune (for example a pretraining run's final/)",
+    ),
+    (
+        lambda c: c.export.merge_lora and c.train.method not in ("lora", "dora"),
+        "export.merge_lora",
+        "only a lora or dora run has an adapter to merge (a qlora base is 4-bit: merge the adapter onto the "
+        "full-precision base with `lmforge ckpt merge-lora`)",
+    ),
+    (
+        lambda c: c.train.best_metric is not None and c.train.eval_every is None,
+        "train.best_metric",
+        "keeping the best checkpoint needs evaluations; set train.eval_every (and eval data)",
+    ),
+    (
+        lambda c: c.train.best_metric is not None and c.train.save_every is None,
+        "train.best_metric",
+        "keeping the best checkpoint needs checkpoints; set train.save_every (a multiple of train.eval_every)",
+    ),
+    (
+        lambda c: (
+            c.train.best_metric is not None
+            and c.train.save_every is not None
+            and c.train.eval_every is not None
+            and c.train.save_every % c.train.eval_every != 0
+        ),
+        "train.save_every",
+        "with train.best_metric each checkpoint is judged by the evaluation at its own step; "
+        "make train.save_every a multiple of train.eval_every",
     ),
 ]
 

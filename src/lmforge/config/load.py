@@ -43,6 +43,19 @@ FAMILIAR_NAMES = {
     "model_name_or_path": "model.path",
     "base_model": "model.path",
     "output_dir": "run.output_dir",
+    "finetuning_type": "train.method",
+    "adapter": "train.method",
+    "lora_r": "train.lora.r",
+    "lora_rank": "train.lora.r",
+    "lora_alpha": "train.lora.alpha",
+    "lora_dropout": "train.lora.dropout",
+    "lora_target": "train.lora.target_modules",
+    "lora_target_modules": "train.lora.target_modules",
+    "use_dora": "train.method",
+    "pref_beta": "train.dpo.beta",
+    "pref_loss": "train.dpo.loss",
+    "loss_type": "train.dpo.loss",
+    "metric_for_best_model": "train.best_metric",
 }
 
 

@@ -168,8 +168,61 @@ class DataConfig(Section):
     )
 
 
+class LoraConfig(Section):
+    r: int = Field(8, ge=1, description="LoRA rank.")
+    alpha: int = Field(16, gt=0, description="LoRA scaling numerator (the update is scaled by alpha / r).")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="Modules that get adapters: `all-linear` (every linear layer but the output head) "
+        "or a list of module names such as [q_proj, v_proj].",
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description="Modules trained in full and saved with the adapter (for example [lm_head, embed_tokens]).",
+    )
+
+
+class FreezeConfig(Section):
+    trainable_layers: int = Field(
+        2, ge=0, description="train.method=freeze: train only the top N transformer layers."
+    )
+    trainable_modules: list[str] = Field(
+        default_factory=list,
+        description="Also train parameters whose name contains one of these (for example [lm_head, norm]).",
+    )
+
+
+class DpoConfig(Section):
+    loss: Literal["sigmoid", "ipo", "orpo", "simpo"] = Field(
+        "sigmoid",
+        description="Preference loss: sigmoid (DPO), ipo, orpo (no reference model), simpo (no reference model).",
+    )
+    beta: float = Field(0.1, gt=0, description="DPO/IPO beta (IPO's tau), ORPO's lambda, SimPO's beta.")
+    simpo_gamma: float = Field(0.5, ge=0, description="SimPO target reward margin (gamma / beta ratio).")
+
+
+class KtoConfig(Section):
+    beta: float = Field(0.1, gt=0, description="KTO beta.")
+    desirable_weight: float = Field(1.0, gt=0, description="Loss weight of desirable (label true) rows.")
+    undesirable_weight: float = Field(1.0, gt=0, description="Loss weight of undesirable (label false) rows.")
+
+
 class TrainConfig(Section):
-    stage: Literal["pretrain", "sft"] = Field("pretrain", description="Training stage.")
+    stage: Literal["pretrain", "sft", "dpo", "kto", "rm"] = Field(
+        "pretrain",
+        description="Training stage: pretrain (raw text), sft (conversations), dpo (preference pairs; "
+        "loss in train.dpo), kto (labelled conversations), rm (reward model on preference pairs).",
+    )
+    method: Literal["full", "freeze", "lora", "dora", "qlora"] = Field(
+        "full",
+        description="Which weights train: full; freeze (top layers only, train.freeze); lora / dora "
+        "(PEFT adapters, train.lora); qlora (LoRA over a 4-bit base; needs a CUDA GPU and bitsandbytes).",
+    )
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="Adapter settings for lora/dora/qlora.")
+    freeze: FreezeConfig = Field(default_factory=FreezeConfig, description="Settings for method=freeze.")
+    dpo: DpoConfig = Field(default_factory=DpoConfig, description="Settings for stage=dpo.")
+    kto: KtoConfig = Field(default_factory=KtoConfig, description="Settings for stage=kto.")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps to run; overrides `epochs`.")
     epochs: float = Field(1.0, gt=0, description="Passes over the training data when max_steps is not set.")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per device per forward pass.")
@@ -195,6 +248,12 @@ class TrainConfig(Section):
     )
     save_every: int | None = Field(None, ge=1, description="Write a checkpoint every N steps.")
     keep_last: int = Field(3, ge=1, description="Keep only the newest N complete checkpoints.")
+    best_metric: str | None = Field(
+        None,
+        description="Also keep the checkpoint with the best value of this eval metric (for example "
+        "eval_loss; lower is better for names containing loss or ppl, higher otherwise); it is recorded "
+        "in checkpoints/best.json and never rotated away.",
+    )
     resume: str = Field(
         "auto",
         description="`auto`: continue from the newest complete checkpoint if any; `never`; or a checkpoint path.",
@@ -206,6 +265,13 @@ class MonitorConfig(Section):
     loggers: list[Literal["tensorboard"]] = Field(
         default_factory=lambda: list[Literal["tensorboard"]](["tensorboard"]),
         description="Extra metric sinks; metrics.jsonl is always written.",
+    )
+
+
+class ExportConfig(Section):
+    merge_lora: bool = Field(
+        False,
+        description="After a lora/dora run, also write the adapter merged into its base as a full HF model in final/.",
     )
 
 
@@ -224,6 +290,7 @@ class LmforgeConfig(Section):
     data: DataConfig = Field(description="Training and evaluation data.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="The optimisation loop.")
     monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="Metric sinks.")
+    export: ExportConfig = Field(default_factory=ExportConfig, description="What final/ holds.")
     debug: DebugConfig = Field(default_factory=DebugConfig, description="Fault-injection drills.")
 
     @model_validator(mode="after")

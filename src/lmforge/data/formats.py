@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from lmforge.config.schema import SourceConfig
+from lmforge.data.bad_rows import BadRowPolicy
 from lmforge.data.examples import BadRow, Example
 from lmforge.data.hub import is_hub_source, iter_hub_rows
 from lmforge.data.llamafactory import is_dataset_info_source, resolve_dataset_info
@@ -147,3 +148,13 @@ def mix_weights(streams: Sequence[Iterable[T]], weights: Sequence[float], *, see
                 continue
             for _ in range(repeat_count(weight, seed=seed, source_index=source_index, row_index=row_index)):
                 yield item
+
+
+def valid_examples(
+    sources: Sequence[SourceConfig], policy: BadRowPolicy, *, memory_budget_mb: int, seed: int
+) -> Iterator[Example]:
+    """Every source's valid rows in order, each repeated per its mixing weight (seeded, streamable).
+
+    The bad-row policy sees the rows as read, before weighting, so its counts are the file's."""
+    streams = [policy.filter(iter_source_examples(s, memory_budget_mb=memory_budget_mb)) for s in sources]
+    return mix_weights(streams, [source.weight for source in sources], seed=seed)

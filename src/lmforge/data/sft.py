@@ -28,11 +28,17 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from lmforge.config.schema import DataConfig, SourceConfig
+from lmforge.config.schema import DataConfig
 from lmforge.data.bad_rows import BadRowPolicy
-from lmforge.data.chat import Dropped, ensure_template_tokens, resolve_template, tokenize_conversations
+from lmforge.data.chat import (
+    Dropped,
+    TokenizedSample,
+    ensure_template_tokens,
+    resolve_template,
+    tokenize_conversations,
+)
 from lmforge.data.examples import Conversation
-from lmforge.data.formats import iter_source_examples, mix_weights
+from lmforge.data.formats import valid_examples
 from lmforge.data.packing import best_fit_pack, packing_stats
 from lmforge.data.sources import sources_fingerprint
 from lmforge.data.tokenizer import tokenizer_fingerprint
@@ -184,9 +190,15 @@ def _build(
 ) -> dict[str, Any]:
     policy = BadRowPolicy(cfg.on_bad_row, cfg.max_bad_fraction, quarantine_path)
     tokenize = _Tokenizer(cfg, tokenizer, template)
-    train = tokenize.all(_examples(cfg.train, policy, cfg.memory_budget_mb, seed), "train")
+    train = tokenize.all(
+        valid_examples(cfg.train, policy, memory_budget_mb=cfg.memory_budget_mb, seed=seed), "train"
+    )
     evaluation = (
-        tokenize.all(_examples(cfg.eval, policy, cfg.memory_budget_mb, seed), "eval") if cfg.eval else None
+        tokenize.all(
+            valid_examples(cfg.eval, policy, memory_budget_mb=cfg.memory_budget_mb, seed=seed), "eval"
+        )
+        if cfg.eval
+        else None
     )
     policy.finish()
     if evaluation is None and cfg.eval_fraction > 0:
@@ -209,16 +221,6 @@ def _build(
     }
 
 
-def _examples(
-    sources: list[SourceConfig], policy: BadRowPolicy, memory_budget_mb: int, seed: int
-) -> Iterator[Any]:
-    """Every source's valid rows in order, each repeated per its mixing weight (seeded, streamable).
-
-    The bad-row policy sees the rows as read, before weighting, so its counts are the file's."""
-    streams = [policy.filter(iter_source_examples(s, memory_budget_mb=memory_budget_mb)) for s in sources]
-    return mix_weights(streams, [source.weight for source in sources], seed=seed)
-
-
 class _Tokenizer:
     def __init__(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, template: str) -> None:
         self.cfg, self.tokenizer, self.template = cfg, tokenizer, template
@@ -227,6 +229,7 @@ class _Tokenizer:
     def all(self, examples: Iterable[Any], split: str) -> RaggedSamples:
         ids: list[np.ndarray] = []
         labels: list[np.ndarray] = []
+        lengths: list[np.ndarray] = []
         settings = {
             "template": self.template,
             "train_on": self.cfg.train_on,
@@ -235,15 +238,38 @@ class _Tokenizer:
         }
         chunks = (list(map(_conversation, chunk)) for chunk in _chunks(examples, _TOKENIZE_CHUNK))
         with tqdm(desc=f"tokenize {split}", unit="row") as bar:
-            for results in _tokenized_chunks(chunks, self.tokenizer, settings, _worker_count()):
-                for result in results:
-                    if isinstance(result, Dropped):
-                        self.dropped[f"{split}: {result.reason}"] += 1
-                        continue
-                    ids.append(result.input_ids)
-                    labels.append(result.labels)
-                bar.update(len(results))
-        return _ragged(ids, labels)
+            for chunk in _tokenized_chunks(chunks, self.tokenizer, settings, _worker_count()):
+                for reason in chunk.dropped:
+                    self.dropped[f"{split}: {reason}"] += 1
+                ids.append(chunk.input_ids)
+                labels.append(chunk.labels)
+                lengths.append(chunk.lengths)
+                bar.update(chunk.rows)
+        return _ragged_from_chunks(ids, labels, lengths)
+
+
+@dataclass
+class _TokenizedChunk:
+    """One chunk's samples as flat arrays (what a worker sends back: three arrays pickle far
+    cheaper than a TokenizedSample per row) and the reasons of the rows it dropped, in order."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    lengths: np.ndarray
+    dropped: list[str]
+    rows: int
+
+
+def _pack(results: list[TokenizedSample | Dropped]) -> _TokenizedChunk:
+    kept = [r for r in results if isinstance(r, TokenizedSample)]
+    empty = np.zeros(0, dtype=np.int32)
+    return _TokenizedChunk(
+        np.concatenate([r.input_ids for r in kept]) if kept else empty,
+        np.concatenate([r.labels for r in kept]) if kept else empty,
+        np.fromiter((len(r.input_ids) for r in kept), dtype=np.int64, count=len(kept)),
+        [r.reason for r in results if isinstance(r, Dropped)],
+        len(results),
+    )
 
 
 def _worker_count() -> int:
@@ -258,7 +284,7 @@ def _tokenized_chunks(
     tokenizer: PreTrainedTokenizerBase,
     settings: dict[str, Any],
     workers: int,
-) -> Iterator[list[Any]]:
+) -> Iterator[_TokenizedChunk]:
     """Tokenize chunks in order; with several workers, in a process pool with a bounded number
     of chunks in flight, so memory stays flat however large the input is."""
     first = next(chunks, None)
@@ -268,7 +294,7 @@ def _tokenized_chunks(
     if workers == 1 or second is None or "fork" not in mp.get_all_start_methods():
         # One chunk (or one core): a pool's start-up would cost more than it saves.
         for chunk in itertools.chain([first], [second] if second else [], chunks):
-            yield tokenize_conversations(chunk, tokenizer, **settings)
+            yield _pack(tokenize_conversations(chunk, tokenizer, **settings))
         return
     # fork: workers inherit the tokenizer without pickling it or re-importing transformers.
     with mp.get_context("fork").Pool(
@@ -290,8 +316,8 @@ def _init_worker(tokenizer: PreTrainedTokenizerBase, settings: dict[str, Any]) -
     _WORKER["tokenizer"], _WORKER["settings"] = tokenizer, settings
 
 
-def _tokenize_in_worker(chunk: list[Conversation]) -> list[Any]:
-    return tokenize_conversations(chunk, _WORKER["tokenizer"], **_WORKER["settings"])
+def _tokenize_in_worker(chunk: list[Conversation]) -> _TokenizedChunk:
+    return _pack(tokenize_conversations(chunk, _WORKER["tokenizer"], **_WORKER["settings"]))
 
 
 # Conversations per batched tokenizer call: enough to keep the Rust backend's threads busy,
@@ -323,6 +349,18 @@ def _ragged(ids: list[np.ndarray], labels: list[np.ndarray]) -> RaggedSamples:
     lengths = np.fromiter((len(a) for a in ids), dtype=np.int64, count=len(ids))
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
+    empty = np.zeros(0, dtype=np.int32)
+    return RaggedSamples(
+        np.concatenate(ids) if ids else empty, np.concatenate(labels) if labels else empty, offsets
+    )
+
+
+def _ragged_from_chunks(
+    ids: list[np.ndarray], labels: list[np.ndarray], lengths: list[np.ndarray]
+) -> RaggedSamples:
+    all_lengths = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
+    offsets = np.zeros(len(all_lengths) + 1, dtype=np.int64)
+    np.cumsum(all_lengths, out=offsets[1:])
     empty = np.zeros(0, dtype=np.int32)
     return RaggedSamples(
         np.concatenate(ids) if ids else empty, np.concatenate(labels) if labels else empty, offsets

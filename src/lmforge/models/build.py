@@ -12,10 +12,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    BitsAndBytesConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import UserInputError
+from lmforge.models.methods import Head
 from lmforge.models.presets import POSITION_KEYS, preset_kwargs
 
 log = logging.getLogger(__name__)
@@ -23,16 +31,28 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, *, max_length: int) -> PreTrainedModel:
+def build_model(
+    cfg: ModelConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_length: int,
+    head: Head = "causal",
+    quantization: BitsAndBytesConfig | None = None,
+) -> PreTrainedModel:
     """The model to train: loaded from `cfg.path`, or freshly initialised from a preset / inline config.
 
+    `head="score"` gives a one-logit sequence-scoring head (reward models) on the same body.
     Call `transformers.set_seed` first: fresh weights come from the global RNG.
     """
+    auto = AutoModelForSequenceClassification if head == "score" else AutoModelForCausalLM
     if cfg.path:
-        model = _load_pretrained(cfg)
-        _fit_vocab(model, tokenizer)
+        model = _load_pretrained(cfg, auto, quantization)
+        if quantization is None:
+            _fit_vocab(model, tokenizer)
     else:
-        model = _init_from_config(cfg, tokenizer, max_length=max_length)
+        model = _init_from_config(cfg, tokenizer, auto, max_length=max_length)
+    if head == "score":
+        model.config.pad_token_id = tokenizer.pad_token_id  # the head reads the last non-pad token
     _check_positions(model, max_length)
     return model
 
@@ -45,7 +65,7 @@ def architecture_kwargs(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def _init_from_config(
-    cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, *, max_length: int
+    cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, auto: Any, *, max_length: int
 ) -> PreTrainedModel:
     kwargs = architecture_kwargs(cfg)
     model_type = kwargs.pop("model_type")
@@ -54,13 +74,15 @@ def _init_from_config(
         if key in kwargs:
             kwargs[key] = max(kwargs[key], max_length)
     kwargs.update(_special_token_ids(tokenizer))
+    if auto is AutoModelForSequenceClassification:
+        kwargs["num_labels"] = 1
     try:
         config = AutoConfig.for_model(model_type, **kwargs)
     except (ValueError, TypeError) as err:
         raise UserInputError(
             f"model.config: transformers cannot build a {model_type!r} config: {err}"
         ) from None
-    return AutoModelForCausalLM.from_config(
+    return auto.from_config(
         config,
         dtype=DTYPES[cfg.dtype],
         attn_implementation=cfg.attn_implementation,
@@ -68,7 +90,7 @@ def _init_from_config(
     )
 
 
-def _load_pretrained(cfg: ModelConfig) -> PreTrainedModel:
+def _load_pretrained(cfg: ModelConfig, auto: Any, quantization: BitsAndBytesConfig | None) -> PreTrainedModel:
     path = Path(cfg.path or "")
     if path.exists() and not (path / "config.json").is_file():
         raise UserInputError(f"model.path: {path} has no config.json; point it at a HF model directory")
@@ -78,9 +100,13 @@ def _load_pretrained(cfg: ModelConfig) -> PreTrainedModel:
             f"model.path: {path} has only legacy .bin weights; convert them to safetensors, or set "
             "model.allow_bin_weights=true to load them (read with weights_only, never unpickled in full)"
         )
+    extra: dict[str, Any] = {"num_labels": 1} if auto is AutoModelForSequenceClassification else {}
+    if quantization is not None:
+        extra["quantization_config"] = quantization
     try:
-        return AutoModelForCausalLM.from_pretrained(
+        return auto.from_pretrained(
             str(path) if path.exists() else str(cfg.path),
+            **extra,
             dtype=DTYPES[cfg.dtype],
             attn_implementation=cfg.attn_implementation,
             trust_remote_code=cfg.trust_remote_code,

@@ -26,6 +26,7 @@ SAMPLE_PROMPT = "def main():\n    "
 class QuickstartState:
     out: Path
     pretrain_steps: int
+    finetune_steps: int = 200
     results: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -100,18 +101,91 @@ def stage_sample(state: QuickstartState, console: Console) -> None:
     console.print(sample, markup=False, highlight=False)
 
 
+HELD_OUT_QUESTIONS = 60
+
+
+def finetune_config(state: QuickstartState, train_file: Path) -> LmforgeConfig:
+    """LoRA SFT of the pretrained model on the word-group task; the adapter is also merged into final/."""
+    base = {
+        "run": {"name": "finetune", "output_dir": str(state.out), "seed": 0, "overwrite": True},
+        "model": {"path": state.results["pretrain"]["final_dir"]},
+        "data": {
+            "train": [{"path": str(train_file), "format": "alpaca"}],
+            "max_length": 64,
+            "packing": True,
+            "cache_dir": str(state.out / "cache"),
+        },
+        "train": {
+            "stage": "sft",
+            "method": "lora",
+            # The base was pretrained on code and never saw the chat template's tokens, so the
+            # (tied) embedding trains in full beside the adapter, as is usual when a template
+            # brings new tokens; it is saved with the adapter.
+            "lora": {"r": 16, "alpha": 32, "dropout": 0.0, "modules_to_save": ["embed_tokens"]},
+            "max_steps": state.finetune_steps,
+            "epochs": 1000,  # max_steps decides
+            "micro_batch_size": 8,
+            "lr": 1e-3,
+            "schedule": "constant",
+            "warmup_steps": 10,
+            "log_every": 10,
+            "resume": "never",
+        },
+        "export": {"merge_lora": True},
+    }
+    return load_config(None, base=base)
+
+
+def stage_finetune(state: QuickstartState, console: Console) -> None:
+    """LoRA SFT on a task the project generates, with held-out accuracy measured before and after.
+
+    The task: name the group (fruit, animal, color, tool) of a word, asked in six phrasings.
+    Held-out questions pair words and phrasings never seen together in training."""
+    from lmforge.data.synthetic import as_alpaca, category_task_rows, write_jsonl
+    from lmforge.evaluate import answer_accuracy, load_for_inference
+    from lmforge.train.runner import run_training
+
+    train, test = category_task_rows(held_out=HELD_OUT_QUESTIONS, seed=0)
+    train_file = write_jsonl(state.out / "data" / "groups_train.jsonl", as_alpaca(train))
+    test_file = write_jsonl(state.out / "data" / "groups_test.jsonl", test)
+    model, tokenizer = load_for_inference(state.results["pretrain"]["final_dir"])
+    before = answer_accuracy(model, tokenizer, test, max_new_tokens=8)
+    outcome = run_training(finetune_config(state, train_file))
+    model, tokenizer = load_for_inference(str(outcome.final_dir))  # the merged model
+    after = answer_accuracy(model, tokenizer, test, max_new_tokens=8)
+    state.results["finetune"] = {
+        "run_dir": str(outcome.run_dir),
+        "final_dir": str(outcome.final_dir),
+        "adapter_dir": str(outcome.final_dir / "adapter"),
+        "steps": outcome.steps,
+        "train_questions": len(train),
+        "test_file": str(test_file),
+        "held_out_accuracy_before": before["accuracy"],
+        "held_out_accuracy_after": after["accuracy"],
+        "examples_after": after["examples"],
+    }
+    console.print(
+        f"LoRA fine-tuned on {len(train)} word-group questions for {outcome.steps} steps: held-out accuracy "
+        f"[bold]{before['accuracy']:.0%} -> {after['accuracy']:.0%}[/] ({len(test)} unseen questions)"
+    )
+    for example in after["examples"][:3]:
+        mark = "ok" if example["correct"] else "wrong"
+        console.print(f"  {example['question']!r} -> {example['got']!r} ({mark})", markup=False)
+
+
 STAGES: list[tuple[str, Callable[[QuickstartState, Console], None]]] = [
     ("pretrain", stage_pretrain),
     ("sample", stage_sample),
+    ("finetune", stage_finetune),
 ]
 
 
 def run_quickstart(
-    out: Path, *, pretrain_steps: int = 300, console: Console | None = None
+    out: Path, *, pretrain_steps: int = 300, finetune_steps: int = 200, console: Console | None = None
 ) -> QuickstartState:
     """Run every stage; write quickstart.json (results and timings) into `out`."""
     console = console or Console()
-    state = QuickstartState(out=out, pretrain_steps=pretrain_steps)
+    state = QuickstartState(out=out, pretrain_steps=pretrain_steps, finetune_steps=finetune_steps)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     for name, stage in STAGES:
@@ -134,5 +208,13 @@ def _print_locations(state: QuickstartState, console: Console) -> None:
     console.print(f"  metrics         {run_dir / 'metrics.jsonl'}  (TensorBoard: {run_dir / 'tb'})")
     console.print(f"  checkpoints     {run_dir / 'checkpoints'}")
     console.print(f"  data report     {run_dir / 'data_report.json'}")
+    if "finetune" in state.results:
+        finetune = Path(state.results["finetune"]["run_dir"])
+        console.print(f"fine-tune run     {finetune}")
+        console.print(f"  LoRA adapter    {finetune / 'final' / 'adapter'}  (PEFT format)")
+        console.print(f"  merged model    {finetune / 'final'}")
+        console.print(
+            f"  try it          lmforge generate {finetune / 'final'} --prompt 'Is plum a fruit, an animal, a color or a tool?'"
+        )
     console.print(f"summary           {state.out / 'quickstart.json'}")
     console.print(f"total time        {state.timings['total']:.0f} s")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import TrainingArguments
 
@@ -11,13 +13,20 @@ from lmforge.train.rundir import RunPaths
 
 
 def build_training_arguments(
-    cfg: TrainConfig, paths: RunPaths, *, seed: int, has_eval: bool
+    cfg: TrainConfig,
+    paths: RunPaths,
+    *,
+    seed: int,
+    has_eval: bool,
+    args_class: type[TrainingArguments] = TrainingArguments,
+    **stage_args: Any,
 ) -> TrainingArguments:
+    """HF TrainingArguments, or a TRL config class (`args_class`, a subclass) with its `stage_args`."""
     use_cuda = torch.cuda.is_available()
     precision = resolve_precision(cfg.precision, use_cuda=use_cuda)
     length = {"max_steps": cfg.max_steps} if cfg.max_steps else {"num_train_epochs": cfg.epochs}
     evaluate = has_eval and cfg.eval_every is not None
-    return TrainingArguments(
+    values: dict[str, Any] = dict(
         output_dir=str(paths.staging),
         **length,
         per_device_train_batch_size=cfg.micro_batch_size,
@@ -54,3 +63,5 @@ def build_training_arguments(
         remove_unused_columns=False,
         disable_tqdm=False,
     )
+    values.update(stage_args)
+    return args_class(**values)

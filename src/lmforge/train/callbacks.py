@@ -11,7 +11,8 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from lmforge.ckpt.atomic import commit_checkpoint, rotate_checkpoints
+from lmforge.ckpt.atomic import commit_checkpoint, read_best, rotate_checkpoints, write_best
+from lmforge.errors import UserInputError
 from lmforge.monitor.metrics import MetricsLog
 from lmforge.train.numerics import ThroughputMeter, perplexity
 
@@ -88,12 +89,37 @@ class MetricsCallback(TrainerCallback):
 
 
 class CheckpointCommitCallback(TrainerCallback):
-    """Seals each checkpoint HF Trainer wrote into staging and renames it to `checkpoints/step-N`."""
+    """Seals each checkpoint HF Trainer wrote into staging and renames it to `checkpoints/step-N`.
 
-    def __init__(self, staging: Path, checkpoints: Path, keep_last: int) -> None:
+    Keeps the newest `keep_last`, and with `best_metric` also the checkpoint whose evaluation
+    at its own step scored best, recorded in checkpoints/best.json (which survives resumes).
+    """
+
+    def __init__(
+        self, staging: Path, checkpoints: Path, keep_last: int, *, best_metric: str | None = None
+    ) -> None:
         self.staging = staging
         self.checkpoints = checkpoints
         self.keep_last = keep_last
+        self.best_metric = best_metric
+        self.last_eval: tuple[int, float] | None = None  # (step, value of best_metric)
+        self.best = read_best(checkpoints) if best_metric else None
+
+    def on_evaluate(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        metrics: dict[str, float] | None = None,
+        **kw: Any,
+    ) -> None:
+        if self.best_metric and metrics:
+            if self.best_metric not in metrics:
+                raise UserInputError(
+                    f"train.best_metric: {self.best_metric!r} is not among the eval metrics "
+                    f"{sorted(metrics)}; pick one of them"
+                )
+            self.last_eval = (state.global_step, float(metrics[self.best_metric]))
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
@@ -106,9 +132,24 @@ class CheckpointCommitCallback(TrainerCallback):
         # and never needs it, so it is not kept where a user might unpickle it.
         (written / "training_args.bin").unlink(missing_ok=True)
         final = commit_checkpoint(written, self.checkpoints / f"step-{step}", step=step)
-        for old in rotate_checkpoints(self.checkpoints, self.keep_last):
+        self._update_best(step)
+        keep = {f"step-{self.best['step']}"} if self.best else set()
+        for old in rotate_checkpoints(self.checkpoints, self.keep_last, keep=keep):
             log.info("removed old checkpoint %s (keep_last=%d)", old.name, self.keep_last)
         log.info("checkpoint sealed: %s", final)
+
+    def _update_best(self, step: int) -> None:
+        if self.best_metric is None or self.last_eval is None or self.last_eval[0] != step:
+            return
+        value = self.last_eval[1]
+        lower_is_better = "loss" in self.best_metric or "ppl" in self.best_metric
+        if self.best is not None:
+            previous = self.best["value"]
+            if (value >= previous) if lower_is_better else (value <= previous):
+                return
+        self.best = {"step": step, "metric": self.best_metric, "value": value, "path": f"step-{step}"}
+        write_best(self.checkpoints, self.best)
+        log.info("best checkpoint so far: step-%d (%s=%.4g)", step, self.best_metric, value)
 
 
 class CrashDrillCallback(TrainerCallback):

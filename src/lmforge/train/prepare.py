@@ -28,7 +28,7 @@ class RunData:
 
     train: Dataset
     eval: Dataset | None
-    collator: Callable[[list[Any]], dict[str, Any]]
+    collator: Callable[[list[Any]], dict[str, Any]] | None  # None: the TRL trainer's own
     fingerprint: str
     report: dict[str, Any]
 
@@ -47,8 +47,10 @@ def prepare_data_for_run(cfg: LmforgeConfig, paths: RunPaths) -> tuple[PreTraine
     tokenizer = obtain_tokenizer(cfg, paths, cache_dir)
     if cfg.train.stage == "pretrain":
         data = _pretraining_data(cfg, tokenizer, cache_dir)
-    else:
+    elif cfg.train.stage == "sft":
         data = _sft_data(cfg, tokenizer, cache_dir, paths)
+    else:
+        data = _preference_data(cfg, tokenizer, cache_dir, paths)
     paths.data_report.write_text(json.dumps(data.report, indent=2), encoding="utf-8")
     return tokenizer, data
 
@@ -58,6 +60,23 @@ def prepare_run_data(cfg: LmforgeConfig) -> tuple[Path, PreTrainedTokenizerBase,
     paths = RunPaths(cfg.run.dir)
     tokenizer, data = prepare_data_for_run(cfg, paths)
     return paths.data_report, tokenizer, data
+
+
+def _preference_data(
+    cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase, cache_dir: Path, paths: RunPaths
+) -> RunData:
+    from lmforge.data.preference import prepare_preference_data
+
+    assert cfg.train.stage in ("dpo", "kto", "rm")
+    prepared = prepare_preference_data(
+        cfg.data,
+        tokenizer,
+        cfg.train.stage,
+        seed=cfg.run.seed,
+        cache_dir=cache_dir,
+        quarantine_path=paths.root / "bad_rows.jsonl",
+    )
+    return RunData(prepared.train, prepared.eval, None, prepared.fingerprint, prepared.report)  # type: ignore[arg-type]
 
 
 def first_samples(data: RunData, count: int) -> list[tuple[list[int], list[int]]]:

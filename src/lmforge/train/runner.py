@@ -6,6 +6,7 @@ get the tokenizer, prepare the data, build the model, train with HF Trainer, sav
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import shutil
@@ -13,8 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from peft import PeftModel
 from torch.utils.tensorboard import SummaryWriter
-from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback, set_seed
+from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.integrations import TensorBoardCallback
 
 from lmforge.ckpt.atomic import CheckpointStatus, check_checkpoint, find_latest_complete
@@ -22,13 +25,12 @@ from lmforge.config import LmforgeConfig
 from lmforge.data.tokenizer import tokenizer_fingerprint
 from lmforge.errors import UserInputError
 from lmforge.models.build import build_model, count_parameters
+from lmforge.models.methods import Head, apply_training_method, check_method_runs_here, quantization_for
 from lmforge.monitor.metrics import MetricsLog, read_metrics
-from lmforge.train.arguments import build_training_arguments
 from lmforge.train.callbacks import CheckpointCommitCallback, CrashDrillCallback, MetricsCallback
-from lmforge.train.numerics import CountingCollator
 from lmforge.train.prepare import RunData, prepare_data_for_run
 from lmforge.train.rundir import RunPaths, claim_run_dir, write_manifest, write_resolved_config
-from lmforge.train.trainer import LmforgeTrainer
+from lmforge.train.stages import build_stage_trainer, needs_reference_model
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
 
     `extra_callbacks` are added to the Trainer after lmforge's own (for library users and benchmarks).
     """
+    check_method_runs_here(cfg.train)  # qlora on a CPU-only machine fails here, before any work
     paths = RunPaths(cfg.run.dir)
     resume = resolve_resume(cfg.train.resume, paths)
     claim_run_dir(paths, resuming=resume is not None, overwrite=cfg.run.overwrite)
@@ -61,21 +64,31 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
         paths, data_fingerprint=data.fingerprint, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer)
     )
 
-    model = build_model(cfg.model, tokenizer, max_length=cfg.data.max_length)
+    head: Head = "score" if cfg.train.stage == "rm" else "causal"
+    model: Any = build_model(
+        cfg.model,
+        tokenizer,
+        max_length=cfg.data.max_length,
+        head=head,
+        quantization=quantization_for(cfg.train, compute_dtype=torch.bfloat16),
+    )
     parameters = count_parameters(model)
     log.info("model: %s, %.2fM parameters", model.config.model_type, parameters / 1e6)
+    # The reference is the starting model, frozen: copied before any weight trains.
+    reference = copy.deepcopy(model).eval() if needs_reference_model(cfg) else None
+    model = apply_training_method(model, cfg.train, head=head)
 
     metrics = MetricsLog(paths.metrics)
     if resume is not None:
         dropped = metrics.truncate_after(resume.step)
         log.info("resuming from %s (%d metric records after it dropped)", resume.path, dropped)
-    trainer = _build_trainer(cfg, model, tokenizer, data, paths, metrics, resume)
+    trainer = _build_trainer(cfg, model, reference, tokenizer, data, paths, metrics, resume)
     for callback in extra_callbacks or []:
         trainer.add_callback(callback)
     shutil.rmtree(paths.staging, ignore_errors=True)  # leftovers of a save interrupted by a crash
     trainer.train(resume_from_checkpoint=str(resume.path) if resume else None)
 
-    _save_final(trainer, tokenizer, paths.final)
+    _save_final(trainer, tokenizer, paths.final, merge_lora=cfg.export.merge_lora)
     evals = [r["eval_ppl"] for r in read_metrics(paths.metrics) if "eval_ppl" in r]
     summary = next(c for c in trainer.callback_handler.callbacks if isinstance(c, MetricsCallback)).summary
     return TrainOutcome(
@@ -118,6 +131,7 @@ class _FinalStepCallback(TrainerCallback):
 def _build_trainer(
     cfg: LmforgeConfig,
     model: Any,
+    reference: Any,
     tokenizer: PreTrainedTokenizerBase,
     data: RunData,
     paths: RunPaths,
@@ -125,12 +139,11 @@ def _build_trainer(
     resume: CheckpointStatus | None,
 ) -> Trainer:
     has_eval = data.eval is not None and len(data.eval) > 0  # type: ignore[arg-type]
-    args = build_training_arguments(cfg.train, paths, seed=cfg.run.seed, has_eval=has_eval)
-    # A fresh run measures where it starts; a resumed one already has that record.
-    args.eval_on_start = args.eval_strategy != "no" and resume is None
     callbacks: list[TrainerCallback] = [
         MetricsCallback(metrics),
-        CheckpointCommitCallback(paths.staging, paths.checkpoints, cfg.train.keep_last),
+        CheckpointCommitCallback(
+            paths.staging, paths.checkpoints, cfg.train.keep_last, best_metric=cfg.train.best_metric
+        ),
         _FinalStepCallback(),
     ]
     if "tensorboard" in cfg.monitor.loggers:
@@ -140,24 +153,35 @@ def _build_trainer(
         callbacks.append(TensorBoardCallback(tb_writer=writer))
     if cfg.debug.crash_at_step is not None:
         callbacks.append(CrashDrillCallback(cfg.debug.crash_at_step))
-    return LmforgeTrainer(
-        model=model,
-        args=args,
-        train_dataset=data.train,
-        eval_dataset=data.eval if has_eval else None,
-        data_collator=CountingCollator(data.collator),
-        processing_class=tokenizer,
-        callbacks=callbacks,
+
+    def configure(args: TrainingArguments) -> None:
+        # A fresh run measures where it starts; a resumed one already has that record.
+        args.eval_on_start = args.eval_strategy != "no" and resume is None
+
+    return build_stage_trainer(
+        cfg, model, reference, tokenizer, data, paths, callbacks, has_eval=has_eval, configure=configure
     )
 
 
-def _save_final(trainer: Trainer, tokenizer: PreTrainedTokenizerBase, final: Path) -> None:
-    """final/: HF-format model and tokenizer, written aside and renamed into place."""
+def _save_final(
+    trainer: Trainer, tokenizer: PreTrainedTokenizerBase, final: Path, *, merge_lora: bool
+) -> None:
+    """final/: the HF-format model and tokenizer, written aside and renamed into place.
+
+    An adapter run writes the PEFT adapter to final/adapter/ (PeftModel.from_pretrained loads
+    it onto its base) and, with export.merge_lora, the merged full model into final/ itself.
+    """
     staging = final.with_name(final.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
-    trainer.save_model(str(staging))
-    if trainer.is_world_process_zero():
-        tokenizer.save_pretrained(str(staging))
-        (staging / "training_args.bin").unlink(missing_ok=True)  # a pickle nobody needs in an export
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(staging, final)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    adapter = isinstance(model, PeftModel)
+    trainer.save_model(str(staging / "adapter" if adapter else staging))
+    if not trainer.is_world_process_zero():
+        return
+    if adapter and merge_lora:
+        model.merge_and_unload().save_pretrained(str(staging))
+    tokenizer.save_pretrained(str(staging))
+    for args_pickle in staging.rglob("training_args.bin"):
+        args_pickle.unlink()  # a pickle nobody needs in an export
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(staging, final)

@@ -1,0 +1,273 @@
+"""Preference data (dpo, rm) and labelled data (kto): rows -> validated, length-checked TRL datasets.
+
+The data stage does what TRL does not: reads every lmforge format and source, applies the
+bad-row policy, applies `over_length` with counts, reports lengths, duplicates and
+eval overlap, and caches the result under a fingerprint. It hands TRL the conversational
+form TRL's trainers tokenize themselves with the tokenizer's chat template
+(`prompt` / `chosen` / `rejected`, or `prompt` / `completion` / `label` for KTO), so the
+tokens TRL trains on are the ones `apply_chat_template` renders, as in SFT.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from datasets import Dataset, load_from_disk
+from transformers import PreTrainedTokenizerBase
+
+from lmforge.config.schema import DataConfig
+from lmforge.data.bad_rows import BadRowPolicy
+from lmforge.data.chat import (
+    Dropped,
+    TokenizedSample,
+    ensure_template_tokens,
+    message_dicts,
+    resolve_template,
+    tokenize_conversations,
+)
+from lmforge.data.examples import Conversation, Example, LabeledConversation, Message, PreferencePair
+from lmforge.data.formats import valid_examples
+from lmforge.data.sft import sft_fingerprint
+from lmforge.errors import UserInputError
+
+log = logging.getLogger(__name__)
+
+PreferenceStage = Literal["dpo", "kto", "rm"]
+CODE_VERSION = "preference-v1"
+_CHUNK = 512
+
+
+@dataclass
+class PreparedPreference:
+    train: Dataset
+    eval: Dataset | None
+    fingerprint: str
+    report: dict[str, Any]
+
+
+def prepare_preference_data(
+    cfg: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    stage: PreferenceStage,
+    *,
+    seed: int,
+    cache_dir: Path,
+    quarantine_path: Path,
+) -> PreparedPreference:
+    """Read, validate and length-check preference or KTO rows; cached under a fingerprint.
+
+    The tokenizer's chat template is set to the one the data was checked with, so TRL's
+    tokenization, `final/` and `lmforge generate` all use that template.
+    """
+    ensure_template_tokens(tokenizer, cfg.chat_template)
+    template = resolve_template(tokenizer, cfg.chat_template)
+    tokenizer.chat_template = template
+    fingerprint = hashlib.sha256(
+        f"{CODE_VERSION}:{stage}:{sft_fingerprint(cfg, tokenizer, template, seed)}".encode()
+    ).hexdigest()
+    final = cache_dir / f"{stage}-{fingerprint}"
+    if not (final / "meta.json").is_file():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        workdir = Path(tempfile.mkdtemp(prefix=f".tmp-{stage}-", dir=cache_dir))
+        try:
+            report = _build(cfg, tokenizer, template, stage, seed, workdir, quarantine_path)
+            report["fingerprint"] = fingerprint
+            (workdir / "meta.json").write_text(json.dumps({"report": report}, indent=2))
+            shutil.rmtree(final, ignore_errors=True)
+            workdir.rename(final)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        log.info("prepared data: reusing cache %s", final)
+    report = json.loads((final / "meta.json").read_text())["report"]
+    train = load_from_disk(str(final / "train"))
+    evaluation = load_from_disk(str(final / "eval")) if (final / "eval").is_dir() else None
+    return PreparedPreference(train, evaluation, fingerprint, report)
+
+
+def _build(
+    cfg: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    stage: PreferenceStage,
+    seed: int,
+    workdir: Path,
+    quarantine_path: Path,
+) -> dict[str, Any]:
+    policy = BadRowPolicy(cfg.on_bad_row, cfg.max_bad_fraction, quarantine_path)
+    checker = _LengthChecker(cfg, tokenizer, template)
+    budget = cfg.memory_budget_mb
+    train = checker.rows(
+        valid_examples(cfg.train, policy, memory_budget_mb=budget, seed=seed), stage, "train"
+    )
+    evaluation = (
+        checker.rows(valid_examples(cfg.eval, policy, memory_budget_mb=budget, seed=seed), stage, "eval")
+        if cfg.eval
+        else None
+    )
+    policy.finish()
+    if evaluation is None and cfg.eval_fraction > 0:
+        train, evaluation = _hold_out(train, cfg.eval_fraction, seed)
+    if not train:
+        raise UserInputError(
+            "data.train: no training row is left after the length policy; see the data report"
+        )
+    Dataset.from_list([row.record for row in train]).save_to_disk(str(workdir / "train"))
+    if evaluation:
+        Dataset.from_list([row.record for row in evaluation]).save_to_disk(str(workdir / "eval"))
+    train_keys = {row.key for row in train}
+    return {
+        "stage": stage,
+        "rows": policy.counts(),
+        "dropped": dict(checker.dropped),
+        "train": _split_report(train),
+        "eval": _split_report(evaluation) if evaluation else {"rows": 0},
+        "exact_duplicates_in_train": len(train) - len(train_keys),
+        "eval_rows_also_in_train": sum(row.key in train_keys for row in evaluation or []),
+        "chat_template": cfg.chat_template or "tokenizer",
+    }
+
+
+@dataclass
+class _Row:
+    """One TRL row with what the report needs: token lengths and a content key for duplicates."""
+
+    record: dict[str, Any]
+    prompt_tokens: int
+    answer_tokens: list[int]  # chosen and rejected (dpo/rm) or the completion (kto)
+    key: str
+    label: bool | None = None
+
+
+class _LengthChecker:
+    """Tokenizes each answer with its prompt exactly as training will, to apply `over_length`."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, template: str) -> None:
+        self.cfg, self.tokenizer, self.template = cfg, tokenizer, template
+        self.dropped: Counter[str] = Counter()
+
+    def rows(self, examples: Iterable[Example], stage: PreferenceStage, split: str) -> list[_Row]:
+        out: list[_Row] = []
+        chunk: list[tuple[list[Message], list[Message], bool | None, Any]] = []
+        for example in examples:
+            chunk.extend(_as_prompt_and_answers(example, stage))
+            if len(chunk) >= _CHUNK:
+                out.extend(self._check(chunk, stage, split))
+                chunk = []
+        out.extend(self._check(chunk, stage, split))
+        return out
+
+    def _check(
+        self,
+        chunk: Sequence[tuple[list[Message], list[Message], bool | None, Any]],
+        stage: PreferenceStage,
+        split: str,
+    ) -> list[_Row]:
+        if not chunk:
+            return []
+        conversations = [
+            Conversation([*prompt, answer], origin, tools)
+            for prompt, answers, _, (origin, tools) in chunk
+            for answer in answers
+        ]
+        results = iter(
+            tokenize_conversations(
+                conversations,
+                self.tokenizer,
+                template=self.template,
+                train_on="last_assistant",
+                max_length=self.cfg.max_length,
+                over_length=self.cfg.over_length,
+            )
+        )
+        rows = []
+        for prompt, answers, label, (_, tools) in chunk:
+            samples = [next(results) for _ in answers]
+            dropped = [s for s in samples if isinstance(s, Dropped)]
+            if dropped:
+                self.dropped[f"{split}: {dropped[0].reason}"] += 1
+                continue
+            rows.append(_row(prompt, answers, label, tools, samples, stage))  # type: ignore[arg-type]
+        return rows
+
+
+def _as_prompt_and_answers(
+    example: Example, stage: PreferenceStage
+) -> list[tuple[list[Message], list[Message], bool | None, Any]]:
+    """(prompt, answers, kto label, (origin, tools)) units; KTO reads a pair as one good and one bad row."""
+    if isinstance(example, PreferencePair):
+        meta = (example.origin, example.tools)
+        if stage == "kto":
+            return [
+                (example.prompt, [example.chosen], True, meta),
+                (example.prompt, [example.rejected], False, meta),
+            ]
+        return [(example.prompt, [example.chosen, example.rejected], None, meta)]
+    if isinstance(example, LabeledConversation) and stage == "kto":
+        return [(example.messages[:-1], [example.messages[-1]], example.label, (example.origin, None))]
+    wanted = (
+        "kto rows or preference pairs" if stage == "kto" else "preference pairs (prompt, chosen, rejected)"
+    )
+    raise UserInputError(
+        f"{example.origin.file}:{example.origin.line}: a {type(example).__name__} row, but train.stage: "
+        f"{stage} needs {wanted}; set the source's format"
+    )
+
+
+def _row(
+    prompt: list[Message],
+    answers: list[Message],
+    label: bool | None,
+    tools: Any,
+    samples: list[TokenizedSample],
+    stage: PreferenceStage,
+) -> _Row:
+    prompt_dicts = message_dicts(prompt)
+    answer_dicts = [message_dicts([a]) for a in answers]
+    if stage == "kto":
+        record: dict[str, Any] = {"prompt": prompt_dicts, "completion": answer_dicts[0], "label": bool(label)}
+    else:
+        record = {"prompt": prompt_dicts, "chosen": answer_dicts[0], "rejected": answer_dicts[1]}
+    if tools:
+        record["tools"] = json.dumps(tools)
+    supervised = [int((s.labels != -100).sum()) for s in samples]
+    prompt_tokens = len(samples[0].input_ids) - supervised[0]
+    key = hashlib.blake2b(json.dumps(record, sort_keys=True).encode(), digest_size=16).hexdigest()
+    return _Row(record, prompt_tokens, supervised, key, label)
+
+
+def _hold_out(rows: list[_Row], fraction: float, seed: int) -> tuple[list[_Row], list[_Row]]:
+    if len(rows) < 2:
+        raise UserInputError(f"data.eval_fraction={fraction}: holding out eval rows needs at least 2 rows")
+    n_eval = min(max(1, round(fraction * len(rows))), len(rows) - 1)
+    order = np.random.default_rng(seed).permutation(len(rows))
+    held = set(order[:n_eval].tolist())
+    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
+
+
+def _split_report(rows: list[_Row]) -> dict[str, Any]:
+    prompt = np.array([r.prompt_tokens for r in rows])
+    answers = np.array([n for r in rows for n in r.answer_tokens])
+    report: dict[str, Any] = {
+        "rows": len(rows),
+        "prompt_tokens_p50": float(np.percentile(prompt, 50)),
+        "prompt_tokens_max": int(prompt.max()),
+        "answer_tokens_p50": float(np.percentile(answers, 50)),
+        "answer_tokens_p90": float(np.percentile(answers, 90)),
+        "answer_tokens_max": int(answers.max()),
+    }
+    labels = [r.label for r in rows if r.label is not None]
+    if labels:
+        report["desirable"] = sum(labels)
+        report["undesirable"] = len(labels) - sum(labels)
+    return report

@@ -1,0 +1,206 @@
+"""`lmforge eval`: the evaluation summary of a run's final model or of a model directory.
+
+The summary is one JSON-ready dict: per data file results (perplexity; accuracy for QA
+rows), the run's own eval data when given a config, harness task results, and top-level
+totals (`accuracy`, `correct`, `total` over every QA file; `perplexity` of the run's eval
+data, else of the first data file).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lmforge.errors import UserInputError
+from lmforge.evaluate.harness import require_harness, run_harness_tasks
+from lmforge.evaluate.loading import load_for_inference
+from lmforge.evaluate.rows import data_kind, read_qa_rows, read_texts
+
+if TYPE_CHECKING:
+    from lmforge.evaluate.accuracy import Scoring
+
+log = logging.getLogger(__name__)
+TEXT_BLOCK_SIZE = 256  # tokens per perplexity block of plain text
+
+
+@dataclass
+class EvalRequest:
+    """What `lmforge eval` was asked for."""
+
+    target: Path  # a YAML config or a model directory
+    data: list[Path] = field(default_factory=list)
+    scoring: Scoring = "exact"
+    max_new_tokens: int = 32
+    limit: int | None = None
+    tasks: list[str] = field(default_factory=list)
+    adapter: Path | None = None
+    batch_size: int = 8
+
+
+def is_config(target: Path) -> bool:
+    return target.suffix in (".yaml", ".yml")
+
+
+def evaluate(request: EvalRequest) -> tuple[Path, dict[str, Any]]:
+    """Run every requested evaluation; returns the evaluated model directory and the summary."""
+    if request.tasks:
+        require_harness()  # fail before minutes of loading, not after
+    sources = [_read_source(path, request.limit) for path in request.data]  # bad rows fail before loading
+    summary: dict[str, Any] = {"data": {}}
+    if is_config(request.target):
+        model_dir, model, tokenizer = _evaluate_run(request, summary)
+    else:
+        model_dir = request.target
+        model, tokenizer = load_for_inference(model_dir, request.adapter)
+    summary = {
+        "model": str(model_dir),
+        "adapter": str(request.adapter) if request.adapter else None,
+        **summary,
+    }
+    for path, source in zip(request.data, sources, strict=True):
+        summary["data"][str(path)] = _evaluate_source(model, tokenizer, source, request)
+    if request.tasks:
+        summary["tasks"] = run_harness_tasks(
+            model, tokenizer, request.tasks, limit=request.limit, batch_size=request.batch_size
+        )
+    summary.update(_totals(summary))
+    return model_dir, summary
+
+
+def _evaluate_run(request: EvalRequest, summary: dict[str, Any]) -> tuple[Path, Any, Any]:
+    """The run's final/ model on the config's eval data, as the data stage prepares it."""
+    from lmforge.config import load_config
+    from lmforge.evaluate.perplexity import dataset_perplexity
+    from lmforge.train.prepare import prepare_run_data
+    from lmforge.train.rundir import RunPaths
+
+    if not request.target.is_file():
+        raise UserInputError(f"{request.target}: no such config file")
+    cfg = load_config(request.target)
+    final = RunPaths(cfg.run.dir).final
+    if not final.is_dir():
+        raise UserInputError(
+            f"{final}: the run has no final/ model yet; train it first (lmforge train {request.target})"
+        )
+    model, tokenizer = load_for_inference(final, request.adapter)
+    _, _, data = prepare_run_data(cfg)
+    if data.eval is None or len(data.eval) == 0:  # type: ignore[arg-type]
+        note = "the config has no eval data (set data.eval or data.eval_fraction); no run perplexity"
+    elif data.collator is None:  # preference-style data batched by TRL: no plain next-token loss
+        note = f"the run's eval data is {cfg.train.stage} data, which has no plain perplexity"
+    else:
+        summary["run_eval"] = dataset_perplexity(
+            model, data.eval, data.collator, batch_size=request.batch_size, limit=request.limit
+        )
+        return final, model, tokenizer
+    log.warning("%s: %s", request.target, note)
+    summary["run_eval"] = None
+    summary["notes"] = [note]
+    return final, model, tokenizer
+
+
+def _read_source(path: Path, limit: int | None) -> tuple[str, Any]:
+    """("text", documents) or ("qa", rows), read and checked."""
+    if data_kind(path) == "text":
+        return "text", read_texts(path)
+    return "qa", read_qa_rows(path)[:limit]
+
+
+def _evaluate_source(
+    model: Any, tokenizer: Any, source: tuple[str, Any], request: EvalRequest
+) -> dict[str, Any]:
+    from lmforge.evaluate.accuracy import answer_accuracy
+    from lmforge.evaluate.perplexity import answer_perplexity, text_perplexity
+
+    kind, content = source
+    if kind == "text":
+        block_size = min(TEXT_BLOCK_SIZE, _position_limit(model))
+        result = text_perplexity(model, tokenizer, content, block_size=block_size, limit=request.limit)
+        return {"kind": "text", **result}
+    accuracy = answer_accuracy(
+        model,
+        tokenizer,
+        content,
+        scoring=request.scoring,
+        max_new_tokens=request.max_new_tokens,
+        batch_size=request.batch_size,
+    )
+    answer_ppl = answer_perplexity(model, tokenizer, content, batch_size=request.batch_size)
+    return {
+        "kind": "qa",
+        **accuracy,
+        "answer_perplexity": answer_ppl["perplexity"],
+        "answer_tokens": answer_ppl["tokens"],
+    }
+
+
+def _position_limit(model: Any) -> int:
+    """The longest sequence the model's position table takes (no limit found: the block size)."""
+    for key in ("max_position_embeddings", "n_positions"):
+        limit = getattr(model.config, key, None)
+        if isinstance(limit, int) and limit > 0:
+            return limit
+    return TEXT_BLOCK_SIZE
+
+
+def _totals(summary: dict[str, Any]) -> dict[str, Any]:
+    qa = [r for r in summary["data"].values() if r["kind"] == "qa"]
+    correct, total = sum(r["correct"] for r in qa), sum(r["total"] for r in qa)
+    perplexity = (summary.get("run_eval") or {}).get("perplexity")
+    if perplexity is None and summary["data"]:
+        first = next(iter(summary["data"].values()))
+        perplexity = first.get("perplexity", first.get("answer_perplexity"))
+    return {
+        "accuracy": correct / total if total else None,
+        "correct": correct if qa else None,
+        "total": total if qa else None,
+        "perplexity": perplexity,
+    }
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with non-finite floats as None, so the summary is strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    """The summary as lines for a terminal (what `lmforge eval` prints without --json)."""
+    lines = []
+    if "run_eval" in summary:
+        run_eval = summary["run_eval"]
+        lines.append(
+            f"run eval data: none ({'; '.join(summary.get('notes', []))})"
+            if run_eval is None
+            else f"run eval data: perplexity {_number(run_eval['perplexity'])} over {run_eval['tokens']} tokens"
+        )
+    for path, result in summary["data"].items():
+        if result["kind"] == "text":
+            lines.append(f"{path}: perplexity {_number(result['perplexity'])} over {result['tokens']} tokens")
+            continue
+        lines.append(
+            f"{path}: accuracy {_number(result['accuracy'])} ({result['correct']}/{result['total']}, "
+            f"{result['scoring']}); answer perplexity {_number(result['answer_perplexity'])}"
+        )
+        for example in result["examples"]:
+            mark = "ok " if example["correct"] else "BAD"
+            lines.append(
+                f"  {mark} question: {example['question']!r}  expected: {example['expected']!r}  "
+                f"got: {example['got']!r}"
+            )
+    for task, metrics in summary.get("tasks", {}).items():
+        lines.append(f"{task}: {json.dumps(json_safe(metrics), default=str)}")
+    return lines
+
+
+def _number(value: float | None) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:.3f}"
