@@ -93,8 +93,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=20000)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--template",
+        choices=["chatml", "qwen2", "llama3"],
+        default="chatml",
+        help="Chat template stored with the tokenizer both sides use (chatml has a direct renderer; "
+        "the others are rendered by Jinja).",
+    )
     opts = parser.parse_args()
     from lmforge.config.schema import TokenizerTrainConfig
+    from lmforge.data.chat import BUILTIN_TEMPLATES, ensure_template_tokens
     from lmforge.data.tokenizer import train_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,9 +111,12 @@ def main() -> None:
         write_synthetic_chat(
             data, opts.rows, answer_words=(3.5, 0.8), max_answer_words=400, max_turns=3, system_share=0.5
         )
-        train_tokenizer(
+        tokenizer = train_tokenizer(
             data.read_text().splitlines()[:2000], TokenizerTrainConfig(vocab_size=2048)
-        ).save_pretrained(out / "tok")
+        )
+        ensure_template_tokens(tokenizer, opts.template)
+        tokenizer.chat_template = BUILTIN_TEMPLATES[opts.template]
+        tokenizer.save_pretrained(out / "tok")
         runs: dict[str, list[dict]] = {"baseline": [], "lmforge": []}
         for repeat in range(opts.repeats):
             runs["baseline"].append(

@@ -56,7 +56,9 @@ def random_samples(vocab: int, lengths: list[int], seed: int = 0) -> list[dict[s
 
 def per_sample_mean_losses(logits: torch.Tensor, labels: torch.Tensor, seq_lengths: list[int]) -> list[float]:
     """Mean next-token cross-entropy over each sample's supervised span in one row."""
-    targets = torch.cat([labels[1:], torch.tensor([IGNORE_INDEX])])  # the model's internal shift
+    targets = torch.cat(
+        [labels[1:], torch.tensor([IGNORE_INDEX], device=labels.device)]
+    )  # the model's internal shift
     token_loss = F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="none")
     losses, start = [], 0
     for n in seq_lengths:

@@ -208,6 +208,9 @@ def test_dpo_loss_falls_on_a_small_preference_set(tmp_path: Path, base_model: Pa
     assert sum(losses[-5:]) / 5 < 0.3, losses
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the CPU-only refusal; tests/test_gpu.py runs QLoRA on CUDA"
+)
 def test_qlora_on_a_cpu_machine_fails_before_any_work(tmp_path: Path, base_model: Path) -> None:
     config = write_config(tmp_path, base_model, "qlora", ALPACA, stage="sft", method="qlora")
     result = run_cli("train", str(config))
