@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from lmforge.config import load_config
 from lmforge.config.schema import ModelConfig, TokenizerTrainConfig
+from lmforge.data.chat import BUILTIN_TEMPLATES
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.models.build import build_model
 from lmforge.train.runner import run_training
@@ -108,9 +109,10 @@ def test_lora_sft_adapter_loads_in_peft_and_matches_the_merged_model(
 
 
 def test_dora_adapter_is_peft_dora(tmp_path: Path, base_model: Path) -> None:
-    outcome = run_training(
-        load_config(write_config(tmp_path, base_model, "dora", ALPACA, stage="sft", method="dora"))
-    )
+    config = write_config(tmp_path, base_model, "dora", ALPACA, stage="sft", method="dora")
+    # A built-in template chosen in the config travels with the saved tokenizer.
+    outcome = run_training(load_config(config, ["data.chat_template=qwen2"]))
+    assert AutoTokenizer.from_pretrained(str(outcome.final_dir)).chat_template == BUILTIN_TEMPLATES["qwen2"]
     adapter = PeftConfig.from_pretrained(str(outcome.final_dir / "adapter"))
     assert adapter.use_dora is True
     PeftModel.from_pretrained(

@@ -156,6 +156,17 @@ def ensure_template_tokens(tokenizer: PreTrainedTokenizerBase, name: str | None)
     return missing
 
 
+def adopt_template(tokenizer: PreTrainedTokenizerBase, name: str | None) -> str:
+    """The template to train with (built-in `name`, else the tokenizer's own), stored on the
+    tokenizer with the tokens it needs, so the tokenizer saved with the model (final/,
+    `lmforge generate`, TRL's tokenization) renders exactly what training rendered."""
+    ensure_template_tokens(tokenizer, name)
+    template = resolve_template(tokenizer, name)
+    if name is not None:
+        tokenizer.chat_template = template
+    return template
+
+
 def resolve_template(tokenizer: PreTrainedTokenizerBase, name: str | None) -> str:
     """The Jinja chat template to render with: built-in `name` when given, else the tokenizer's own."""
     if name is not None:

@@ -30,9 +30,8 @@ from lmforge.data.bad_rows import BadRowPolicy
 from lmforge.data.chat import (
     Dropped,
     TokenizedSample,
-    ensure_template_tokens,
+    adopt_template,
     message_dicts,
-    resolve_template,
     tokenize_conversations,
 )
 from lmforge.data.examples import Conversation, Example, LabeledConversation, Message, PreferencePair
@@ -66,12 +65,10 @@ def prepare_preference_data(
 ) -> PreparedPreference:
     """Read, validate and length-check preference or KTO rows; cached under a fingerprint.
 
-    The tokenizer's chat template is set to the one the data was checked with, so TRL's
-    tokenization, `final/` and `lmforge generate` all use that template.
+    The tokenizer carries the template the data was checked with (`adopt_template`), so
+    TRL's tokenization, `final/` and `lmforge generate` all use that template.
     """
-    ensure_template_tokens(tokenizer, cfg.chat_template)
-    template = resolve_template(tokenizer, cfg.chat_template)
-    tokenizer.chat_template = template
+    template = adopt_template(tokenizer, cfg.chat_template)
     fingerprint = hashlib.sha256(
         f"{CODE_VERSION}:{stage}:{sft_fingerprint(cfg, tokenizer, template, seed)}".encode()
     ).hexdigest()

@@ -33,8 +33,7 @@ from lmforge.data.bad_rows import BadRowPolicy
 from lmforge.data.chat import (
     Dropped,
     TokenizedSample,
-    ensure_template_tokens,
-    resolve_template,
+    adopt_template,
     tokenize_conversations,
 )
 from lmforge.data.examples import Conversation
@@ -151,8 +150,7 @@ def prepare_sft_data(
     cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, seed: int, cache_dir: Path, quarantine_path: Path
 ) -> PreparedSFT:
     """Read, validate, render and tokenize the SFT sources; cached under a fingerprint."""
-    ensure_template_tokens(tokenizer, cfg.chat_template)
-    template = resolve_template(tokenizer, cfg.chat_template)
+    template = adopt_template(tokenizer, cfg.chat_template)
     fingerprint = sft_fingerprint(cfg, tokenizer, template, seed)
     final = cache_dir / f"sft-{fingerprint}"
     if (final / "meta.json").is_file():
