@@ -274,3 +274,28 @@ def test_best_checkpoint_by_eval_loss_is_recorded_and_kept(tmp_path: Path, base_
     assert best["step"] == best_step and best["value"] == pytest.approx(evals[best_step])
     kept = sorted(p.name for p in (outcome.run_dir / "checkpoints").glob("step-*"))
     assert kept == sorted({f"step-{best_step}", "step-6"})  # newest (keep_last=1) plus the best
+
+
+def test_dpo_run_resumes_exactly_after_a_crash(tmp_path: Path, base_model: Path) -> None:
+    """A full-weight DPO run (frozen reference copy) killed after its step-2 checkpoint resumes to
+    the same final weights as an uninterrupted run; its eval loss is never called a perplexity."""
+    settings = {"stage": "dpo", "max_steps": 4, "save_every": 2, "eval_every": 2}
+    straight_config = write_config(tmp_path, base_model, "dpo-straight", PREFERENCE, **settings)
+    crashing = write_config(tmp_path, base_model, "dpo-crashing", PREFERENCE, **settings)
+    for config in (straight_config, crashing):
+        cfg = yaml.safe_load(config.read_text())
+        cfg["data"]["eval_fraction"] = 0.1
+        config.write_text(yaml.safe_dump(cfg))
+    straight = run_training(load_config(straight_config))
+    assert run_cli("train", str(crashing), "debug.crash_at_step=2").returncode == -9
+    resumed = run_cli("train", str(crashing))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stderr and "eval loss (dpo)" in resumed.stdout
+    run_dir = tmp_path / "runs" / "dpo-crashing"
+    rows = records(run_dir)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
+    assert any("eval_loss" in r for r in rows) and not any("eval_ppl" in r for r in rows)
+    expected = load_file(str(straight.final_dir / "model.safetensors"))
+    got = load_file(str(run_dir / "final" / "model.safetensors"))
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-6, rtol=1e-5)

@@ -80,6 +80,10 @@ def train(
     console.print(f"[bold green]done[/] {outcome.steps} steps; model in {outcome.final_dir}")
     if outcome.last_eval_ppl is not None:
         console.print(f"eval perplexity: {outcome.first_eval_ppl:.2f} -> {outcome.last_eval_ppl:.2f}")
+    elif outcome.last_eval_loss is not None:  # preference stages: their loss is no perplexity
+        console.print(
+            f"eval loss ({cfg.train.stage}): {outcome.first_eval_loss:.4f} -> {outcome.last_eval_loss:.4f}"
+        )
 
 
 @app.command()

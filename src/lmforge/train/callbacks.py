@@ -28,8 +28,11 @@ _SUMMARY_MARKER = "train_loss"
 class MetricsCallback(TrainerCallback):
     """Writes metrics.jsonl: one record per logged step, eval results merged into their step's record."""
 
-    def __init__(self, metrics: MetricsLog) -> None:
+    def __init__(self, metrics: MetricsLog, *, language_model_loss: bool = True) -> None:
         self.metrics = metrics
+        # eval_ppl = exp(eval_loss) only means perplexity for next-token losses (pretrain, sft);
+        # a DPO / KTO / reward loss is logged as eval_loss alone.
+        self.language_model_loss = language_model_loss
         self.meter = ThroughputMeter()
         self.pending: dict[str, Any] | None = None
         self.summary: dict[str, float] = {}
@@ -63,7 +66,8 @@ class MetricsCallback(TrainerCallback):
         record = self.pending or {"step": step}
         if "eval_loss" in logs:
             record["eval_loss"] = logs["eval_loss"]
-            record["eval_ppl"] = perplexity(logs["eval_loss"])
+            if self.language_model_loss:
+                record["eval_ppl"] = perplexity(logs["eval_loss"])
         if "loss" in logs:
             for key in ("loss", "learning_rate", "grad_norm", "epoch"):
                 if key in logs:

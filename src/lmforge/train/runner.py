@@ -44,6 +44,8 @@ class TrainOutcome:
     parameters: int
     first_eval_ppl: float | None = None
     last_eval_ppl: float | None = None
+    first_eval_loss: float | None = None
+    last_eval_loss: float | None = None
     summary: dict[str, Any] = field(default_factory=dict)
 
 
@@ -89,7 +91,9 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
     trainer.train(resume_from_checkpoint=str(resume.path) if resume else None)
 
     _save_final(trainer, tokenizer, paths.final, merge_lora=cfg.export.merge_lora)
-    evals = [r["eval_ppl"] for r in read_metrics(paths.metrics) if "eval_ppl" in r]
+    records = read_metrics(paths.metrics)
+    evals = [r["eval_ppl"] for r in records if "eval_ppl" in r]
+    eval_losses = [r["eval_loss"] for r in records if "eval_loss" in r]
     summary = next(c for c in trainer.callback_handler.callbacks if isinstance(c, MetricsCallback)).summary
     return TrainOutcome(
         run_dir=paths.root,
@@ -99,6 +103,8 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
         parameters=parameters,
         first_eval_ppl=float(evals[0]) if evals else None,
         last_eval_ppl=float(evals[-1]) if evals else None,
+        first_eval_loss=float(eval_losses[0]) if eval_losses else None,
+        last_eval_loss=float(eval_losses[-1]) if eval_losses else None,
         summary=summary,
     )
 
@@ -140,7 +146,7 @@ def _build_trainer(
 ) -> Trainer:
     has_eval = data.eval is not None and len(data.eval) > 0  # type: ignore[arg-type]
     callbacks: list[TrainerCallback] = [
-        MetricsCallback(metrics),
+        MetricsCallback(metrics, language_model_loss=cfg.train.stage in ("pretrain", "sft")),
         CheckpointCommitCallback(
             paths.staging, paths.checkpoints, cfg.train.keep_last, best_metric=cfg.train.best_metric
         ),
