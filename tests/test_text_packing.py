@@ -11,6 +11,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from lmforge.config.schema import DataConfig, SourceConfig, TokenizerTrainConfig
+from lmforge.data import cache as data_cache
 from lmforge.data import text
 from lmforge.data.text import BlockDataset, prepare_pretraining_data
 from lmforge.data.tokenizer import load_tokenizer, train_tokenizer
@@ -227,7 +228,7 @@ def test_crash_while_writing_leaves_no_cache(
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patch:
-        patch.setattr(text, "_publish", crash)
+        patch.setattr(data_cache, "_publish", crash)
         with pytest.raises(KeyboardInterrupt):
             prepare(cfg, tokenizer, tmp_path / "cache")
     assert list((tmp_path / "cache").iterdir()) == []

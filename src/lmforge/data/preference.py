@@ -13,8 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -27,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lmforge.config.schema import DataConfig
 from lmforge.data.bad_rows import BadRowPolicy
+from lmforge.data.cache import build_atomically, is_built, read_meta
 from lmforge.data.chat import (
     Dropped,
     TokenizedSample,
@@ -73,20 +72,15 @@ def prepare_preference_data(
         f"{CODE_VERSION}:{stage}:{sft_fingerprint(cfg, tokenizer, template, seed)}".encode()
     ).hexdigest()
     final = cache_dir / f"{stage}-{fingerprint}"
-    if not (final / "meta.json").is_file():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        workdir = Path(tempfile.mkdtemp(prefix=f".tmp-{stage}-", dir=cache_dir))
-        try:
-            report = _build(cfg, tokenizer, template, stage, seed, workdir, quarantine_path)
-            report["fingerprint"] = fingerprint
-            (workdir / "meta.json").write_text(json.dumps({"report": report}, indent=2))
-            shutil.rmtree(final, ignore_errors=True)
-            workdir.rename(final)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-    else:
+    if is_built(final):
         log.info("prepared data: reusing cache %s", final)
-    report = json.loads((final / "meta.json").read_text())["report"]
+    else:
+        build_atomically(
+            final,
+            fingerprint,
+            lambda workdir: _build(cfg, tokenizer, template, stage, seed, workdir, quarantine_path),
+        )
+    report = read_meta(final)["report"]
     train = load_from_disk(str(final / "train"))
     evaluation = load_from_disk(str(final / "eval")) if (final / "eval").is_dir() else None
     return PreparedPreference(train, evaluation, fingerprint, report)

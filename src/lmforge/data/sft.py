@@ -15,8 +15,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import shutil
-import tempfile
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -30,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lmforge.config.schema import DataConfig
 from lmforge.data.bad_rows import BadRowPolicy
+from lmforge.data.cache import build_atomically, is_built, read_meta
 from lmforge.data.chat import (
     Dropped,
     TokenizedSample,
@@ -153,27 +152,17 @@ def prepare_sft_data(
     template = adopt_template(tokenizer, cfg.chat_template)
     fingerprint = sft_fingerprint(cfg, tokenizer, template, seed)
     final = cache_dir / f"sft-{fingerprint}"
-    if (final / "meta.json").is_file():
+    if is_built(final):
         logger.info("prepared data: reusing cache %s", final)
         return _load(final, fingerprint)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix=".tmp-sft-", dir=cache_dir))
-    try:
-        report = _build(cfg, tokenizer, template, seed, workdir, quarantine_path)
-        report["fingerprint"] = fingerprint
-        (workdir / "meta.json").write_text(
-            json.dumps({"fingerprint": fingerprint, "report": report}, indent=2)
-        )
-        if final.exists():
-            shutil.rmtree(final)
-        workdir.rename(final)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    build_atomically(
+        final, fingerprint, lambda workdir: _build(cfg, tokenizer, template, seed, workdir, quarantine_path)
+    )
     return _load(final, fingerprint, from_cache=False)
 
 
 def _load(path: Path, fingerprint: str, from_cache: bool = True) -> PreparedSFT:
-    report = json.loads((path / "meta.json").read_text())["report"]
+    report = read_meta(path)["report"]
     evaluation = RaggedSamples.load(path, "eval") if report["eval"]["samples"] else None
     return PreparedSFT(RaggedSamples.load(path, "train"), evaluation, fingerprint, path, from_cache, report)
 

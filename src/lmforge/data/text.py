@@ -14,9 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
-import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -32,6 +30,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from lmforge.config.schema import DataConfig, SourceConfig
+from lmforge.data.cache import build_atomically
 from lmforge.data.sources import SourceStats, iter_documents, sources_fingerprint
 from lmforge.data.tokenizer import BatchEncoder, batch_encoder, encode_documents, tokenizer_fingerprint
 from lmforge.errors import UserInputError
@@ -302,29 +301,14 @@ def prepare_pretraining_data(
             return cached
         logger.warning("prepared data: %s is not a complete cache; rebuilding it", final)
         shutil.rmtree(final, ignore_errors=True)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix=f".tmp-{fingerprint[:16]}-", dir=cache_dir))
-    try:
-        report = {**_build_cache(cfg, packer, seed, workdir), "fingerprint": fingerprint}
-        meta = {"fingerprint": fingerprint, "code_version": CODE_VERSION, "report": report}
-        (workdir / "meta.json").write_text(json.dumps(meta, indent=2))
-        _publish(workdir, final)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    build_atomically(
+        final,
+        fingerprint,
+        lambda workdir: _build_cache(cfg, packer, seed, workdir),
+        code_version=CODE_VERSION,
+    )
     result = _load_cache(final, fingerprint, from_cache=False)
     if result is None:
         raise RuntimeError(f"prepared data cache {final} is unreadable right after writing it")
     result.timings = {**timings, "total_s": time.perf_counter() - started}
     return result
-
-
-def _publish(workdir: Path, final: Path) -> None:
-    """Rename the finished `workdir` to `final`; if another process published it first, keep theirs."""
-    for file in workdir.iterdir():  # the data must be on disk before the rename makes it visible
-        with file.open("rb") as handle:
-            os.fsync(handle.fileno())
-    try:
-        os.rename(workdir, final)
-    except OSError:
-        if not (final / "meta.json").exists():
-            raise
