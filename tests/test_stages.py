@@ -108,13 +108,15 @@ def test_lora_sft_adapter_loads_in_peft_and_matches_the_merged_model(
     torch.testing.assert_close(logits(merged, ids), logits(with_adapter, ids), atol=1e-4, rtol=1e-4)
 
 
-def test_dora_adapter_is_peft_dora(tmp_path: Path, base_model: Path) -> None:
+def test_dora_adapter_is_peft_dora(tmp_path: Path, base_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = write_config(tmp_path, base_model, "dora", ALPACA, stage="sft", method="dora")
-    # A built-in template chosen in the config travels with the saved tokenizer.
-    outcome = run_training(load_config(config, ["data.chat_template=qwen2"]))
+    monkeypatch.chdir(base_model.parent)
+    # A relative model.path; a built-in template chosen in the config.
+    outcome = run_training(load_config(config, ["model.path=model", "data.chat_template=qwen2"]))
     assert AutoTokenizer.from_pretrained(str(outcome.final_dir)).chat_template == BUILTIN_TEMPLATES["qwen2"]
     adapter = PeftConfig.from_pretrained(str(outcome.final_dir / "adapter"))
     assert adapter.use_dora is True
+    assert adapter.base_model_name_or_path == str(base_model.resolve())  # loads from any directory
     PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(str(base_model)), str(outcome.final_dir / "adapter")
     )

@@ -105,7 +105,8 @@ def _load_pretrained(cfg: ModelConfig, auto: Any, quantization: BitsAndBytesConf
         extra["quantization_config"] = quantization
     try:
         return auto.from_pretrained(
-            str(path) if path.exists() else str(cfg.path),
+            # Absolute, so that adapters trained on it record a base path that loads from anywhere.
+            str(path.resolve()) if path.exists() else str(cfg.path),
             **extra,
             dtype=DTYPES[cfg.dtype],
             attn_implementation=cfg.attn_implementation,

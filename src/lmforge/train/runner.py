@@ -28,6 +28,7 @@ from lmforge.models.build import build_model, count_parameters
 from lmforge.models.methods import Head, apply_training_method, check_method_runs_here, quantization_for
 from lmforge.monitor.metrics import MetricsLog, read_metrics
 from lmforge.train.callbacks import CheckpointCommitCallback, CrashDrillCallback, MetricsCallback
+from lmforge.train.precision import resolve_precision
 from lmforge.train.prepare import RunData, prepare_data_for_run
 from lmforge.train.rundir import RunPaths, claim_run_dir, write_manifest, write_resolved_config
 from lmforge.train.stages import build_stage_trainer, needs_reference_model
@@ -72,7 +73,7 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
         tokenizer,
         max_length=cfg.data.max_length,
         head=head,
-        quantization=quantization_for(cfg.train, compute_dtype=torch.bfloat16),
+        quantization=quantization_for(cfg.train, compute_dtype=_compute_dtype(cfg)),
     )
     parameters = count_parameters(model)
     log.info("model: %s, %.2fM parameters", model.config.model_type, parameters / 1e6)
@@ -107,6 +108,12 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
         last_eval_loss=float(eval_losses[-1]) if eval_losses else None,
         summary=summary,
     )
+
+
+def _compute_dtype(cfg: LmforgeConfig) -> torch.dtype:
+    """The dtype 4-bit layers compute in: fp16 where the run trains in fp16 (GPUs without bf16), else bf16."""
+    precision = resolve_precision(cfg.train.precision, use_cuda=torch.cuda.is_available())
+    return torch.float16 if precision == "fp16" else torch.bfloat16
 
 
 def resolve_resume(setting: str, paths: RunPaths) -> CheckpointStatus | None:
