@@ -196,3 +196,15 @@ def test_sft_with_packing_on_sdpa_is_accepted(tmp_path: Path) -> None:
         ],
     )
     assert cfg.data.packing and cfg.train.stage == "sft"
+
+
+def test_kto_needs_micro_batches_of_two(tmp_path: Path) -> None:
+    with pytest.raises(UserInputError, match="train.micro_batch_size.*KTO estimates its KL term"):
+        load_config(
+            None,
+            base={
+                "model": {"path": str(tmp_path)},
+                "data": {"train": [{"path": "rows.jsonl", "format": "kto"}]},
+                "train": {"stage": "kto", "micro_batch_size": 1},
+            },
+        )

@@ -84,6 +84,11 @@ RULES: list[Rule] = [
         "preference stages batch chosen and rejected answers side by side; packing applies to pretrain and sft",
     ),
     (
+        lambda c: c.train.stage == "kto" and c.train.micro_batch_size < 2,
+        "train.micro_batch_size",
+        "KTO estimates its KL term from mismatched answers within a micro-batch; set at least 2",
+    ),
+    (
         lambda c: c.train.method in ("lora", "dora", "qlora") and c.model.path is None,
         "train.method",
         "adapters train on top of pretrained weights that must exist on disk to load the adapter later; "
