@@ -273,3 +273,13 @@ def test_quickstart_runs_offline_and_says_where_everything_is(tmp_path: Path) ->
     final = Path(finetune["final_dir"])
     assert (final / "adapter" / "adapter_config.json").is_file()  # PEFT adapter
     assert (final / "model.safetensors").is_file()  # and the merged model
+    # The merged model is the trained one: same logits as the base with the adapter applied.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(summary["results"]["pretrain"]["final_dir"])
+    with_adapter = PeftModel.from_pretrained(base, str(final / "adapter")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(str(final)).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, with_adapter(ids).logits, atol=1e-4, rtol=1e-4)

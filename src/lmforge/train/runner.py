@@ -176,6 +176,19 @@ def _build_trainer(
     )
 
 
+def _untie_if_diverged(model: Any) -> None:
+    """A modules_to_save embedding trains a copy for the input side only; the tied output head
+    kept the original. Saved as tied, a reload would tie the head to the trained copy and the
+    merged model would no longer be the model that was trained."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    config = model.config.get_text_config()
+    if head is None or not config.tie_word_embeddings or head.weight is embedding.weight:
+        return
+    if not torch.equal(head.weight, embedding.weight):
+        config.tie_word_embeddings = False
+        model.config.tie_word_embeddings = False
+
+
 def _save_final(
     trainer: Trainer, tokenizer: PreTrainedTokenizerBase, final: Path, *, merge_lora: bool
 ) -> None:
@@ -192,7 +205,9 @@ def _save_final(
     if not trainer.is_world_process_zero():
         return
     if adapter and merge_lora:
-        model.merge_and_unload().save_pretrained(str(staging))
+        merged = model.merge_and_unload()
+        _untie_if_diverged(merged)
+        merged.save_pretrained(str(staging))
     tokenizer.save_pretrained(str(staging))
     for args_pickle in staging.rglob("training_args.bin"):
         args_pickle.unlink()  # a pickle nobody needs in an export
