@@ -141,6 +141,31 @@ def _show_preference_rows(tokenizer: Any, data: Any, count: int) -> list[tuple[l
     return []
 
 
+@ckpt_app.command("inspect")
+def ckpt_inspect(
+    path: Path = typer.Argument(
+        ..., help="A model or adapter directory, checkpoints/step-N, or a model file."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+) -> None:
+    """What a checkpoint is: format, architecture, dtypes, parameters, shards, adapters, completeness.
+
+    Reads metadata only (safetensors headers, JSON files, lmforge's hash manifest); loads no weights.
+
+    Example: `lmforge ckpt inspect runs/sft/checkpoints/step-100 --json`
+    """
+    from lmforge.ckpt.inspect import inspect_checkpoint
+
+    info = inspect_checkpoint(path)
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    for key, value in info.items():
+        console.print(
+            f"{key:22} {json.dumps(value) if isinstance(value, dict | list) else value}", markup=False
+        )
+
+
 @ckpt_app.command("merge-lora")
 def ckpt_merge_lora(
     base: Path = typer.Option(..., "--base", help="The base HF model directory (safetensors)."),
