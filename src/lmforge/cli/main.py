@@ -111,7 +111,9 @@ def prepare(
     console.print_json(json.dumps(data.report))
     # Preference / KTO rows are tokenized by TRL at train time: shown as rendered text.
     shown = (
-        _show_preference_rows(tokenizer, data, show) if data.collator is None else first_samples(data, show)
+        _show_preference_rows(tokenizer, data, show)
+        if data.conversational_rows
+        else first_samples(data, show)
     )
     for number, (ids, labels) in enumerate(shown, start=1):
         console.rule(
@@ -121,7 +123,7 @@ def prepare(
         for piece, supervised in supervised_runs(tokenizer, ids, labels):
             text.append(piece, style="bold green" if supervised else "dim")
         console.print(text)
-    if show and data.collator is not None:
+    if show and not data.conversational_rows:
         console.print("[dim]dim: context only (no loss)[/]   [bold green]green: tokens that carry loss[/]")
     console.print(f"data report written to {report_path}")
 

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 from datasets import Dataset, load_from_disk
+from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from lmforge.config.schema import DataConfig
@@ -150,12 +151,14 @@ class _LengthChecker:
     def rows(self, examples: Iterable[Example], stage: PreferenceStage, split: str) -> list[_Row]:
         out: list[_Row] = []
         chunk: list[tuple[list[Message], list[Message], bool | None, Any]] = []
-        for example in examples:
-            chunk.extend(_as_prompt_and_answers(example, stage))
-            if len(chunk) >= _CHUNK:
-                out.extend(self._check(chunk, stage, split))
-                chunk = []
-        out.extend(self._check(chunk, stage, split))
+        with tqdm(desc=f"check lengths {split}", unit="row") as bar:
+            for example in examples:
+                chunk.extend(_as_prompt_and_answers(example, stage))
+                bar.update(1)
+                if len(chunk) >= _CHUNK:
+                    out.extend(self._check(chunk, stage, split))
+                    chunk = []
+            out.extend(self._check(chunk, stage, split))
         return out
 
     def _check(

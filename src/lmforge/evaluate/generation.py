@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lmforge.data.chat import end_of_turn_ids
@@ -74,7 +75,7 @@ def generate_answers(
     """Greedy replies to many conversations, in batches left-padded so replies start together."""
     stops = end_of_turn_ids(tokenizer) | {tokenizer.pad_token_id}
     replies: list[str] = []
-    for start in range(0, len(conversations), batch_size):
+    for start in tqdm(range(0, len(conversations), batch_size), desc="generate answers", unit="batch"):
         texts = [render_prompt(tokenizer, m) for m in conversations[start : start + batch_size]]
         encoded = tokenizer(
             texts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt"

@@ -90,9 +90,10 @@ def _evaluate_run(request: EvalRequest, summary: dict[str, Any]) -> tuple[Path, 
     _, _, data = prepare_run_data(cfg)
     if data.eval is None or len(data.eval) == 0:  # type: ignore[arg-type]
         note = "the config has no eval data (set data.eval or data.eval_fraction); no run perplexity"
-    elif data.collator is None:  # preference-style data batched by TRL: no plain next-token loss
+    elif data.conversational_rows:  # preference-style data batched by TRL: no plain next-token loss
         note = f"the run's eval data is {cfg.train.stage} data, which has no plain perplexity"
     else:
+        assert data.collator is not None  # conversational_rows is False
         summary["run_eval"] = dataset_perplexity(
             model, data.eval, data.collator, batch_size=request.batch_size, limit=request.limit
         )

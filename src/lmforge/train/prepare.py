@@ -32,6 +32,11 @@ class RunData:
     fingerprint: str
     report: dict[str, Any]
 
+    @property
+    def conversational_rows(self) -> bool:
+        """Preference / KTO rows that TRL tokenizes and batches itself (no token ids here)."""
+        return self.collator is None
+
 
 def resolve_cache_dir(cfg: LmforgeConfig) -> Path:
     """data.cache_dir, else $LMFORGE_CACHE, else ~/.cache/lmforge."""
