@@ -10,13 +10,18 @@ a JSON header of {name: {dtype, shape, data_offsets}} plus `__metadata__`, then 
 from __future__ import annotations
 
 import json
+import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from io import BufferedReader
 from pathlib import Path
 from typing import IO, Any
 
 import torch
+from tqdm.auto import tqdm
+
+from lmforge.errors import UserInputError
 
 DTYPES = {
     "F64": torch.float64,
@@ -98,3 +103,88 @@ def write_header(
 
 def write_tensor(out: IO[bytes], tensor: torch.Tensor) -> None:
     out.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+CODES = {dtype: code for code, dtype in DTYPES.items()}
+INDEX_NAME = "model.safetensors.index.json"
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_SIZE_UNITS |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as "5GB", "500MB" or "2GiB" (decimal units as in HF's max_shard_size)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", text.upper())
+    if not match or match.group(2) not in _SIZE_UNITS:
+        raise UserInputError(f"size {text!r}: write it as a number and a unit, for example 5GB or 500MB")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to be written: its name, safetensors dtype code and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * torch.empty((), dtype=DTYPES[self.dtype]).element_size()
+
+
+def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Split tensors, in order, into shards of at most max_shard_bytes (a larger tensor gets its own)."""
+    shards: list[list[TensorSpec]] = [[]]
+    used = 0
+    for spec in specs:
+        if shards[-1] and used + spec.nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(spec)
+        used += spec.nbytes
+    return shards
+
+
+def write_sharded(
+    out_dir: Path,
+    specs: list[TensorSpec],
+    tensor_for: Callable[[TensorSpec], torch.Tensor],
+    *,
+    max_shard_bytes: int,
+    metadata: dict[str, str] | None = None,
+    desc: str = "write shards",
+) -> list[Path]:
+    """Write HF-layout safetensors (model.safetensors, or model-0000i-of-0000n.safetensors plus the
+    index) pulling one tensor at a time from tensor_for; returns the files written."""
+    shards = plan_shards(specs, max_shard_bytes)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    weight_map: dict[str, str] = {}
+    with tqdm(total=len(specs), desc=desc, unit="tensor") as progress:
+        for name, shard in zip(names, shards, strict=True):
+            with (out_dir / name).open("wb") as out:
+                write_header(
+                    out,
+                    [(s.name, s.dtype, s.shape, s.nbytes) for s in shard],
+                    {"format": "pt", **(metadata or {})},
+                )
+                for spec in shard:
+                    tensor = tensor_for(spec)
+                    if tuple(tensor.shape) != spec.shape or CODES[tensor.dtype] != spec.dtype:
+                        raise ValueError(
+                            f"{spec.name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {spec}"
+                        )
+                    write_tensor(out, tensor)
+                    weight_map[spec.name] = name
+                    progress.update()
+    if len(shards) > 1:
+        total = sum(spec.nbytes for spec in specs)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / INDEX_NAME).write_text(json.dumps(index, indent=2))
+    return [out_dir / name for name in names]

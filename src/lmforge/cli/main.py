@@ -17,6 +17,8 @@ import yaml
 from rich.console import Console
 from rich.logging import RichHandler
 
+from lmforge.cli.ckpt import ckpt_app
+from lmforge.cli.console import console
 from lmforge.config import dump_config, load_config
 from lmforge.config.load import schema_rows
 from lmforge.config.redact import redact_text
@@ -34,10 +36,7 @@ config_app = typer.Typer(help="Inspect configs and the config schema.", no_args_
 tokenizer_app = typer.Typer(help="Tokenizer tools.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(tokenizer_app, name="tokenizer")
-ckpt_app = typer.Typer(help="Checkpoint tools.", no_args_is_help=True)
 app.add_typer(ckpt_app, name="ckpt")
-
-console = Console(soft_wrap=True)  # never break a path across lines
 OVERRIDES_HELP = "Dotted key=value overrides, for example train.lr=1e-4 data.max_length=512."
 
 
@@ -141,50 +140,6 @@ def _show_preference_rows(tokenizer: Any, data: Any, count: int) -> list[tuple[l
             console.print(f"[bold green]{name}:[/] ", end="")
             console.print(answer[0]["content"], markup=False, highlight=False)
     return []
-
-
-@ckpt_app.command("inspect")
-def ckpt_inspect(
-    path: Path = typer.Argument(
-        ..., help="A model or adapter directory, checkpoints/step-N, or a model file."
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
-) -> None:
-    """What a checkpoint is: format, architecture, dtypes, parameters, shards, adapters, completeness.
-
-    Reads metadata only (safetensors headers, JSON files, lmforge's hash manifest); loads no weights.
-
-    Example: `lmforge ckpt inspect runs/sft/checkpoints/step-100 --json`
-    """
-    from lmforge.ckpt.inspect import inspect_checkpoint
-
-    info = inspect_checkpoint(path)
-    if as_json:
-        print(json.dumps(info, indent=2))
-        return
-    for key, value in info.items():
-        console.print(
-            f"{key:22} {json.dumps(value) if isinstance(value, dict | list) else value}", markup=False
-        )
-
-
-@ckpt_app.command("merge-lora")
-def ckpt_merge_lora(
-    base: Path = typer.Option(..., "--base", help="The base HF model directory (safetensors)."),
-    adapter: Path = typer.Option(..., "--adapter", help="The PEFT LoRA / DoRA adapter directory."),
-    out: Path = typer.Option(..., "--out", help="Where to write the merged HF model."),
-) -> None:
-    """Merge a PEFT LoRA / DoRA adapter into its base, shard by shard (memory near one shard).
-
-    Example: `lmforge ckpt merge-lora --base runs/quickstart/pretrain/final --adapter runs/quickstart/finetune/final/adapter --out merged/`
-    """
-    from lmforge.ckpt.merge import merge_lora
-
-    report = merge_lora(base, adapter, out)
-    console.print(
-        f"[bold green]merged[/] {report.merged_tensors} adapted and {report.replaced_tensors} replaced tensors "
-        f"over {len(report.shards)} shard(s) into {report.out}"
-    )
 
 
 @app.command()

@@ -1,0 +1,8 @@
+"""`lmforge ckpt verify` (being built)."""
+
+from __future__ import annotations
+
+
+def command() -> None:
+    """(being built)"""
+    raise NotImplementedError
