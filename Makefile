@@ -24,12 +24,14 @@ demo: install
 	$(VENV)/bin/lmforge quickstart --out runs/quickstart
 
 test: install
-	$(PY) -m pytest -q -m "not gpu"
+	$(PY) -m pytest -q -m "not gpu and not integration"
 
 test-fast: install
-	$(PY) -m pytest -q -m "not gpu and not slow"
+	$(PY) -m pytest -q -m "not gpu and not slow and not integration"
 
+# llama-cpp-python compiles llama.cpp on install (several minutes), so only this target installs it.
 test-integration: install
+	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install -c constraints.txt llama-cpp-python
 	$(PY) -m pytest -q -m "integration"
 
 lint: install

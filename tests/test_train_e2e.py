@@ -283,3 +283,10 @@ def test_quickstart_runs_offline_and_says_where_everything_is(tmp_path: Path) ->
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, with_adapter(ids).logits, atol=1e-4, rtol=1e-4)
+    # The export stage: GGUF and ONNX, each verified in its own runtime against the adapter on its base.
+    for fmt, runtime in (("gguf", "transformers (GGUF reader)"), ("onnx", "onnxruntime")):
+        verdict = summary["results"]["export"][fmt]["verification"]
+        assert verdict["passed"], (fmt, verdict["failures"])
+        assert verdict["runtime"] in (runtime, "llama.cpp")  # llama.cpp when llama-cpp-python is installed
+        assert f"export {fmt}" in result.stdout
+    assert "FAIL" not in result.stdout

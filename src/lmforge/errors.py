@@ -13,3 +13,15 @@ class UserInputError(Exception):
 
 class CheckpointError(Exception):
     """A checkpoint is incomplete, corrupted or unusable."""
+
+
+class ExportVerificationFailed(Exception):
+    """An export ran but does not behave like the trained model (exit code 1, with the numbers)."""
+
+
+# Exit code of a run its guardrails stopped (repeated bad steps, or monitor.guard ... = stop).
+GUARD_STOP_EXIT = 3
+
+
+class TrainingStopped(Exception):
+    """The guardrails stopped the run; a checkpoint of the last good state was saved (exit code 3)."""

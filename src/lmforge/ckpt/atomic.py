@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmforge.errors import UserInputError
+
 MANIFEST_NAME = "lmforge_manifest.json"
 MARKER_NAME = "COMPLETE"
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -43,6 +45,19 @@ def write_hash_manifest(directory: Path, *, step: int) -> dict:
     manifest = {"step": step, "created": time.time(), "files": files}
     _write_synced(directory / MANIFEST_NAME, json.dumps(manifest, indent=1))
     return manifest
+
+
+def check_out_path(out: Path, *inputs: Path) -> None:
+    """Refuse an output directory that is, contains or lies inside an input: writing it
+    (staging, then replacing `out`) would destroy the input."""
+    target = out.resolve()
+    for source in inputs:
+        origin = source.resolve()
+        if target == origin or origin in target.parents or target in origin.parents:
+            raise UserInputError(
+                f"--out {out}: must not be {source}, inside it or around it (writing it would replace the input); "
+                "pick a new directory"
+            )
 
 
 def commit_checkpoint(staging: Path, final: Path, *, step: int) -> Path:

@@ -6,11 +6,16 @@ the artifact, the config and tokenizer files that belong with it, and nothing un
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmforge.ckpt.atomic import check_out_path, commit_checkpoint
 from lmforge.errors import UserInputError
+
+EXPORT_RECORD = "lmforge_export.json"  # {source, format, dtype, details}: lets verify find its reference
 
 FORMATS = ("safetensors", "gguf", "onnx")
 
@@ -37,6 +42,30 @@ def convert(
     """Convert the model at `source` to format `to` under directory `out`."""
     if not source.exists():
         raise UserInputError(f"{source}: no such file or directory")
+    if to not in FORMATS:
+        raise UserInputError(f"--to {to!r}: choose one of {', '.join(FORMATS)}")
+    check_out_path(out, source)
+    # Written aside and sealed with a hash manifest, then renamed into place: `out` is either
+    # absent or complete, and `ckpt verify` can tell a tampered file from the original.
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        result = _convert(source, to, staging, dtype, max_shard_size, allow_bin)
+        record = {"source": str(source.resolve()), "format": to, "dtype": dtype, "details": result.details}
+        (staging / EXPORT_RECORD).write_text(json.dumps(record, indent=2, default=str))
+        commit_checkpoint(staging, out, step=0)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    result.out = out
+    result.files = [out / f.relative_to(staging) for f in result.files]
+    return result
+
+
+def _convert(
+    source: Path, to: str, out: Path, dtype: str | None, max_shard_size: str, allow_bin: bool
+) -> Conversion:
     if to == "gguf":
         from lmforge.ckpt.to_gguf import convert_to_gguf
 
@@ -51,4 +80,4 @@ def convert(
         return convert_to_safetensors(
             source, out, dtype=dtype, max_shard_size=max_shard_size, allow_bin=allow_bin
         )
-    raise UserInputError(f"--to {to!r}: choose one of {', '.join(FORMATS)}")
+    raise AssertionError(to)

@@ -2,7 +2,8 @@
 
 Safetensors headers give tensor names, dtypes and shapes (parameter counts, dtypes, shards);
 JSON files give the architecture and adapter settings; lmforge's hash manifest and completion
-marker give completeness. Nothing is unpickled.
+marker give completeness. DeepSpeed rank files are opened with weights_only + mmap (their small
+pickles only, no tensor data) and torch DCP metadata under an allow-list; nothing is unpickled freely.
 """
 
 from __future__ import annotations
@@ -26,16 +27,22 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
     if path.is_file():
         return _inspect_file(path)
     info: dict[str, Any] = {"path": str(path)}
-    if (path / ADAPTER_CONFIG).is_file():
+    from lmforge.ckpt.consolidate import find_zero_dir
+
+    zero_dir = find_zero_dir(path)
+    if zero_dir is not None:
+        info.update(_deepspeed_zero(zero_dir))
+    elif (path / ADAPTER_CONFIG).is_file():
         info.update(_adapter(path))
     elif (path / "config.json").is_file() and list(path.glob("*.safetensors")):
         info.update(_hf_model(path))
-    elif list(path.glob("*.distcp")):
-        info.update({"format": "torch-dcp", "world_size": len(list(path.glob("*.distcp")))})
+    elif (path / ".metadata").is_file() and list(path.glob("*.distcp")):
+        info.update(_torch_dcp(path))
     else:
         raise UserInputError(
             f"{path}: not a checkpoint lmforge recognises (an HF model directory with config.json and "
-            "safetensors, a PEFT adapter directory, a torch DCP directory, or a checkpoints/step-N directory)"
+            "safetensors, a PEFT adapter directory, a DeepSpeed ZeRO checkpoint, a torch DCP directory, "
+            "or a checkpoints/step-N directory)"
         )
     if (path / "adapter" / ADAPTER_CONFIG).is_file():  # lmforge's final/ of an adapter run
         info["adapter"] = _adapter(path / "adapter")
@@ -47,6 +54,38 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
             "problem": status.problem,
         }
     return info
+
+
+def _deepspeed_zero(zero_dir: Path) -> dict[str, Any]:
+    from lmforge.ckpt.consolidate import describe_zero
+
+    zero = describe_zero(zero_dir)
+    return {
+        "format": "deepspeed-zero",
+        "zero_stage": zero.stage,
+        "world_size": zero.world_size,
+        "global_step": zero.step,
+        "tag": zero_dir.name,
+        "deepspeed_version": zero.ds_version,
+        "bytes": sum(f.stat().st_size for f in [*zero.model_files, *zero.optim_files]),
+        "complete": not zero.missing and not zero.unexpected,
+        **({"missing_files": zero.missing} if zero.missing else {}),
+        **({"unexpected_files": zero.unexpected} if zero.unexpected else {}),
+    }
+
+
+def _torch_dcp(path: Path) -> dict[str, Any]:
+    """World size from the rank numbers in the file names the metadata lists; no weights read."""
+    from lmforge.ckpt.consolidate import dcp_world_size, read_dcp_metadata
+
+    world_size, files = dcp_world_size(read_dcp_metadata(path))
+    missing = [name for name in files if not (path / name).is_file()]
+    # Complete checkpoints keep the short form; a missing rank file is spelled out.
+    return {
+        "format": "torch-dcp",
+        "world_size": world_size,
+        **({"complete": False, "missing_shards": missing} if missing else {}),
+    }
 
 
 def _inspect_file(path: Path) -> dict[str, Any]:

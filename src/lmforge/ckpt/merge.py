@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from lmforge.ckpt.atomic import check_out_path
 from lmforge.ckpt.safetensors_stream import SafetensorsReader, write_header, write_tensor
 from lmforge.errors import UserInputError
 
@@ -69,6 +70,7 @@ def merge_lora(base: Path, adapter: Path, out: Path) -> MergeReport:
 
     Tensors stream one at a time (see safetensors_stream): the ones the adapter leaves alone
     are copied as bytes, the adapted ones merged in fp32 and cast back to their dtype."""
+    check_out_path(out, base, adapter)
     config = _adapter_config(adapter)
     updates = _read_updates(adapter, config)
     shards = _base_shards(base)

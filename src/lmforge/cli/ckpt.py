@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from lmforge.cli import ckpt_consolidate, ckpt_convert, ckpt_prune, ckpt_verify
 from lmforge.cli.console import console
+
+if TYPE_CHECKING:
+    from lmforge.ckpt.export import ExportOutcome
 
 ckpt_app = typer.Typer(help="Checkpoint tools.", no_args_is_help=True)
 ckpt_app.command("consolidate")(ckpt_consolidate.command)
@@ -59,3 +63,9 @@ def ckpt_merge_lora(
         f"[bold green]merged[/] {report.merged_tensors} adapted and {report.replaced_tensors} replaced tensors "
         f"over {len(report.shards)} shard(s) into {report.out}"
     )
+
+
+def print_export(outcome: ExportOutcome) -> None:
+    """One line per exported artifact with its verification numbers."""
+    for line in outcome.summary_lines():
+        console.print(line, markup=False)

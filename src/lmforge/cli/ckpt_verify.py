@@ -1,8 +1,93 @@
-"""`lmforge ckpt verify` (being built)."""
+"""`lmforge ckpt verify`: integrity and behavioural parity of an artifact, as a verdict."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 
-def command() -> None:
-    """(being built)"""
-    raise NotImplementedError
+import typer
+
+from lmforge.cli.console import console
+
+# Exit code of a verification that ran and failed (2 stays "bad input").
+VERIFY_FAILED = 1
+
+
+def command(
+    path: Path = typer.Argument(
+        ..., help="The artifact: an HF model or adapter dir, a GGUF file/dir, an ONNX dir."
+    ),
+    against: Path | None = typer.Option(
+        None, "--against", help="Reference model (default: the source recorded by lmforge's converter)."
+    ),
+    data: Path | None = typer.Option(
+        None, "--data", help="Texts (.txt, jsonl {text}) or QA rows to compare on (default: built-in texts)."
+    ),
+    runtime: str = typer.Option(
+        "auto", help="auto (the artifact's own), transformers, onnxruntime or llama.cpp."
+    ),
+    prompts: int = typer.Option(4, help="Greedy generations to compare."),
+    new_tokens: int = typer.Option(16, help="Tokens per greedy generation."),
+    max_logit_diff: float | None = typer.Option(None, help="Override: largest logit diff / largest |logit|."),
+    max_ppl_rel_diff: float | None = typer.Option(
+        None, help="Override: largest relative perplexity difference."
+    ),
+    min_greedy_prefix: float | None = typer.Option(
+        None, help="Override: smallest mean share of greedy tokens before the first difference."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+) -> None:
+    """Hashes, completeness and behaviour (logits, perplexity, greedy generations) against a reference,
+    in the artifact's own runtime. Exits 1 when a check fails, naming the numbers that failed.
+
+    Example: `lmforge ckpt verify runs/sft/export/gguf --against runs/sft/final --data eval.jsonl --json`
+    """
+    from lmforge.ckpt.verify import verify
+
+    overrides = {
+        key: value
+        for key, value in (
+            ("max_logit_diff", max_logit_diff),
+            ("max_ppl_rel_diff", max_ppl_rel_diff),
+            ("min_greedy_prefix", min_greedy_prefix),
+        )
+        if value is not None
+    }
+    verdict = verify(
+        path,
+        against=against,
+        data=data,
+        runtime=runtime,
+        prompts=prompts,
+        new_tokens=new_tokens,
+        tolerances=overrides,
+    )
+    if as_json:
+        print(json.dumps(verdict.to_json(), indent=2))
+    else:
+        print_verdict(verdict.to_json())
+    if not verdict.passed:
+        raise typer.Exit(VERIFY_FAILED)
+
+
+def print_verdict(result: dict) -> None:
+    """A few human lines: what was checked, the key numbers, PASS or FAIL with the reasons."""
+    integrity = result["integrity"]
+    console.print(f"integrity: {integrity['status']} ({integrity.get('checked', '')})", markup=False)
+    parity = result["parity"]
+    if "skipped" in parity:
+        console.print(f"parity: skipped ({parity['skipped']})", markup=False)
+    elif parity:
+        console.print(
+            f"parity vs {result['reference']} in {result['runtime']} ({result['precision']}): "
+            f"logits max diff {parity['logits_max_abs_diff']:.3g} (rel {parity['logits_rel_diff']:.3g}), "
+            f"top-1 {parity['top1_agreement']:.1%}, ppl {parity['ppl_artifact']:.4g} vs {parity['ppl_reference']:.4g}, "
+            f"greedy {parity['greedy_identical']:.0%} identical ({parity['greedy_prefix']:.0%} of tokens agree)",
+            markup=False,
+        )
+    if result["passed"]:
+        console.print("[bold green]PASS[/]")
+    else:
+        console.print("[bold red]FAIL[/]")
+        for failure in result["failures"]:
+            console.print(f"  {failure}", markup=False)

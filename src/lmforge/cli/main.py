@@ -1,7 +1,8 @@
 """The `lmforge` command line: parse arguments, call a stage, map errors to exit codes.
 
-Exit codes: 0 success; 2 bad config, data or usage (the message says what and where);
-1 a failure during work.
+Exit codes: 0 success (also a run stopped by SIGTERM/SIGINT at a checkpoint); 2 bad config, data
+or usage (the message says what and where); 1 a failure during work (an export that fails its
+verification included); 3 a run stopped by its guardrails, with a checkpoint of the last good state.
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ import yaml
 from rich.console import Console
 from rich.logging import RichHandler
 
-from lmforge.cli.ckpt import ckpt_app
+from lmforge.cli.ckpt import ckpt_app, print_export
+from lmforge.cli.ckpt_verify import VERIFY_FAILED
 from lmforge.cli.console import console
+from lmforge.cli.doctor import doctor
+from lmforge.cli.monitor import monitor_app
 from lmforge.config import dump_config, load_config
 from lmforge.config.load import schema_rows
 from lmforge.config.redact import redact_text
-from lmforge.errors import UserInputError
+from lmforge.errors import GUARD_STOP_EXIT, ExportVerificationFailed, TrainingStopped, UserInputError
 
 app = typer.Typer(
     name="lmforge",
@@ -37,6 +41,8 @@ tokenizer_app = typer.Typer(help="Tokenizer tools.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(tokenizer_app, name="tokenizer")
 app.add_typer(ckpt_app, name="ckpt")
+app.add_typer(monitor_app, name="monitor")
+app.command("doctor")(doctor)
 OVERRIDES_HELP = "Dotted key=value overrides, for example train.lr=1e-4 data.max_length=512."
 
 
@@ -78,6 +84,12 @@ def train(
 
     cfg = load_config(config, overrides)
     outcome = run_training(cfg)
+    if outcome.interrupted_by is not None:
+        console.print(
+            f"[bold yellow]stopped[/] by {outcome.interrupted_by} at step {outcome.steps} with a checkpoint; "
+            "run the same command to resume"
+        )
+        return
     console.print(f"[bold green]done[/] {outcome.steps} steps; model in {outcome.final_dir}")
     if outcome.last_eval_ppl is not None:
         console.print(f"eval perplexity: {outcome.first_eval_ppl:.2f} -> {outcome.last_eval_ppl:.2f}")
@@ -85,6 +97,8 @@ def train(
         console.print(
             f"eval loss ({cfg.train.stage}): {outcome.first_eval_loss:.4f} -> {outcome.last_eval_loss:.4f}"
         )
+    if outcome.export is not None:
+        print_export(outcome.export)
 
 
 @app.command()
@@ -333,6 +347,12 @@ def main() -> None:
         # Plain text: error lines must not be re-wrapped or styled away when piped.
         sys.stderr.write(f"error: {redact_text(str(err))}\n")
         sys.exit(2)
+    except ExportVerificationFailed as err:
+        sys.stderr.write(f"error: {redact_text(str(err))}\n")
+        sys.exit(VERIFY_FAILED)
+    except TrainingStopped as err:
+        sys.stderr.write(f"stopped by the guardrails: {redact_text(str(err))}\n")
+        sys.exit(GUARD_STOP_EXIT)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,18 @@ RULES: list[Rule] = [
         "full-precision base with `lmforge ckpt merge-lora`)",
     ),
     (
+        lambda c: bool(c.export.formats) and c.train.stage == "rm",
+        "export.formats",
+        "a reward model (train.stage rm) has a score head, not a language-model head; GGUF/ONNX/"
+        "safetensors exports here are for causal LMs: remove export.formats",
+    ),
+    (
+        lambda c: bool(c.export.formats) and c.train.method == "qlora",
+        "export.formats",
+        "a qlora run's base is 4-bit: merge the adapter onto the full-precision base with "
+        "`lmforge ckpt merge-lora`, then `lmforge ckpt convert` the merged model",
+    ),
+    (
         lambda c: c.train.best_metric is not None and c.train.eval_every is None,
         "train.best_metric",
         "keeping the best checkpoint needs evaluations; set train.eval_every (and eval data)",

@@ -8,7 +8,7 @@ Each stage receives its own section (`cfg.data`, `cfg.train`, ...), never the ro
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -261,10 +261,93 @@ class TrainConfig(Section):
     dataloader_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
 
 
+AlertKind = Literal[
+    "nonfinite", "spike", "rollback", "stall", "oom_backoff", "data_bound", "finished", "failed", "stopped"
+]
+ALERT_KINDS: tuple[str, ...] = AlertKind.__args__  # type: ignore[attr-defined]
+
+
+class AlertsConfig(Section):
+    webhook_url: str | None = Field(
+        None,
+        description="Webhook that receives alerts (a secret: never logged or written). Prefer webhook_url_env.",
+    )
+    webhook_url_env: str | None = Field(
+        None, description="Name of the environment variable that holds the webhook URL."
+    )
+    format: Literal["generic", "slack", "feishu", "dingtalk"] = Field(
+        "generic", description="Payload shape: generic JSON, Slack, Feishu/Lark or DingTalk."
+    )
+    kinds: list[AlertKind] = Field(
+        default_factory=lambda: cast(list[AlertKind], list(ALERT_KINDS)),
+        description="Event kinds that are sent as alerts.",
+    )
+    window_seconds: float = Field(600.0, gt=0, description="At most one alert per kind per window.")
+    timeout_seconds: float = Field(
+        5.0, gt=0, description="HTTP timeout per alert; a failed send never stops training."
+    )
+
+
+class PrometheusConfig(Section):
+    enabled: bool = Field(False, description="Serve /metrics for Prometheus while training.")
+    host: str = Field("127.0.0.1", description="Bind address; anything but loopback is warned about.")
+    port: int = Field(9400, ge=0, le=65535, description="Port (0: any free port).")
+
+
+class GuardConfig(Section):
+    nonfinite: Literal["skip", "rollback", "stop"] = Field(
+        "skip",
+        description="On a NaN/inf loss or gradient: skip the update, roll back to the last checkpoint, or stop.",
+    )
+    spike: Literal["off", "skip", "rollback", "stop"] = Field(
+        "skip", description="On a loss spike (z-score over a rolling window): the same actions, or off."
+    )
+    spike_sigma: float = Field(
+        6.0, gt=0, description="A spike is a loss this many standard deviations above the window mean."
+    )
+    spike_window: int = Field(100, ge=5, description="Steps in the rolling loss window.")
+    spike_warmup: int = Field(50, ge=0, description="Steps before spike detection starts.")
+    max_bad_steps: int = Field(
+        5,
+        ge=1,
+        description="Bad steps in a row before the run stops with a checkpoint of the last good state.",
+    )
+    rollback_lr_scale: float = Field(
+        1.0, gt=0, le=1, description="Multiply the learning rate by this after a rollback."
+    )
+    oom_backoff: bool = Field(
+        True,
+        description="On out-of-memory: halve the micro-batch, double accumulation (same global batch), go on.",
+    )
+    stall_seconds: float | None = Field(
+        900.0, gt=0, description="No step for this long: dump every thread's stack and alert (null: off)."
+    )
+
+
 class MonitorConfig(Section):
-    loggers: list[Literal["tensorboard"]] = Field(
-        default_factory=lambda: list[Literal["tensorboard"]](["tensorboard"]),
-        description="Extra metric sinks; metrics.jsonl is always written.",
+    enabled: bool = Field(
+        True,
+        description="false: metrics.jsonl and the loggers only; no guardrails, drills, extra metrics, alerts, "
+        "Prometheus or system sampling (the baseline of bench/monitor_overhead.py).",
+    )
+    loggers: list[Literal["tensorboard", "wandb", "mlflow", "swanlab"]] = Field(
+        default_factory=lambda: list[Literal["tensorboard", "wandb", "mlflow", "swanlab"]](["tensorboard"]),
+        description="Metric sinks besides metrics.jsonl (always written); wandb/mlflow/swanlab need their extras.",
+    )
+    project: str | None = Field(
+        None, description="W&B project / MLflow experiment / SwanLab project (default: lmforge)."
+    )
+    system_metrics_seconds: float | None = Field(
+        10.0,
+        gt=0,
+        description="Sample CPU/GPU/memory/disk/network every N seconds in the background (null: off).",
+    )
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig, description="Where alerts go besides events/.")
+    prometheus: PrometheusConfig = Field(
+        default_factory=PrometheusConfig, description="The /metrics endpoint."
+    )
+    guard: GuardConfig = Field(
+        default_factory=GuardConfig, description="Guardrails that act on a run's health."
     )
 
 
@@ -273,6 +356,35 @@ class ExportConfig(Section):
         False,
         description="After a lora/dora run, also write the adapter merged into its base as a full HF model in final/.",
     )
+    formats: list[Literal["safetensors", "gguf", "onnx"]] = Field(
+        default_factory=list,
+        description="After training, convert final/ into export/<format>/ (an adapter run is merged first, "
+        "streaming, into export/merged/).",
+    )
+    gguf_dtype: Literal["f32", "f16", "bf16", "q8_0"] = Field("f16", description="GGUF weight type.")
+    onnx_dtype: Literal["f32", "f16"] = Field("f32", description="ONNX weight type.")
+    safetensors_dtype: Literal["f32", "f16", "bf16"] | None = Field(
+        None, description="safetensors export dtype (default: as trained)."
+    )
+    verify: bool = Field(
+        True,
+        description="Run each export in its own runtime against the trained model (the adapter on its base "
+        "for adapter runs) and fail the run when logits, perplexity or greedy generations disagree.",
+    )
+    verify_data: str | None = Field(
+        None, description="Texts or QA rows (jsonl/.txt) to verify on (default: built-in texts)."
+    )
+
+
+class FaultConfig(Section):
+    kind: Literal["nan", "spike", "slow_data", "oom", "hang"] = Field(
+        description="nan: the loss becomes NaN; spike: the loss is multiplied by `factor`; slow_data: the data "
+        "loader sleeps `seconds`; oom: an out-of-memory error is raised; hang: the step sleeps `seconds`."
+    )
+    step: int = Field(ge=1, description="The optimizer step (1-based) the fault hits.")
+    factor: float = Field(50.0, description="spike: loss multiplier.")
+    seconds: float = Field(5.0, ge=0, description="slow_data / hang: how long to sleep.")
+    rank: int | None = Field(None, ge=0, description="Only on this rank (default: every rank).")
 
 
 class DebugConfig(Section):
@@ -280,6 +392,9 @@ class DebugConfig(Section):
         None,
         ge=1,
         description="Drill: SIGKILL this process right after step N (after its checkpoint, if one is due).",
+    )
+    faults: list[FaultConfig] = Field(
+        default_factory=list, description="Drills for the guardrails: faults injected at given steps."
     )
 
 

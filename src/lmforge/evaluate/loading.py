@@ -37,18 +37,18 @@ def load_for_inference(
     if not path.is_dir():
         raise UserInputError(f"{path}: no such directory; {EXPECTED}")
     if adapter is not None:
-        if not _is_full_model(path):
+        if not is_full_model(path):
             raise UserInputError(f"{path}: --adapter needs a full model here; {EXPECTED}")
         base, adapter_dir, tokenizer_dir = str(path), _check_adapter(Path(adapter)), path
     elif (path / "adapter_config.json").is_file():
         adapter_dir = path
-        base = _adapter_base(path)
+        base = adapter_base(path)
         tokenizer_dir = path if _has_tokenizer(path) else Path(base)
-    elif _is_full_model(path):
+    elif is_full_model(path):
         base, adapter_dir, tokenizer_dir = str(path), None, path
     elif (path / "adapter" / "adapter_config.json").is_file():
         adapter_dir = path / "adapter"
-        base = _adapter_base(adapter_dir)
+        base = adapter_base(adapter_dir)
         tokenizer_dir = next((d for d in (path, adapter_dir) if _has_tokenizer(d)), Path(base))
     else:
         raise UserInputError(f"{path}: no model found; {EXPECTED}")
@@ -73,7 +73,7 @@ def inference_device() -> tuple[torch.device, torch.dtype]:
     return torch.device("cpu"), torch.float32
 
 
-def _is_full_model(path: Path) -> bool:
+def is_full_model(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
@@ -89,7 +89,7 @@ def _check_adapter(path: Path) -> Path:
     return path
 
 
-def _adapter_base(adapter_dir: Path) -> str:
+def adapter_base(adapter_dir: Path) -> str:
     """The adapter's base model, a local path (relative ones resolved from the adapter) or a hub id."""
     try:
         config = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))

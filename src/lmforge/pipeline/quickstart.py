@@ -131,7 +131,13 @@ def finetune_config(state: QuickstartState, train_file: Path) -> LmforgeConfig:
             "log_every": 10,
             "resume": "never",
         },
-        "export": {"merge_lora": True},
+        # After training: merge, convert to GGUF and ONNX, and verify each in its own runtime
+        # against the adapter on its base, on the held-out questions.
+        "export": {
+            "merge_lora": True,
+            "formats": ["gguf", "onnx"],
+            "verify_data": str(state.out / "data" / "groups_test.jsonl"),
+        },
     }
     return load_config(None, base=base)
 
@@ -171,12 +177,26 @@ def stage_finetune(state: QuickstartState, console: Console) -> None:
     for example in after["examples"][:3]:
         mark = "ok" if example["correct"] else "wrong"
         console.print(f"  {example['question']!r} -> {example['got']!r} ({mark})", markup=False)
+    if outcome.export is not None:
+        state.results["export"] = outcome.export.artifacts
+
+
+def stage_export(state: QuickstartState, console: Console) -> None:
+    """What the fine-tune run's export: section made (it ran at the end of training) and how each
+    artifact compares with the adapter on its base, measured in the artifact's own runtime."""
+    from lmforge.ckpt.export import ExportOutcome
+
+    outcome = ExportOutcome(Path(state.results["finetune"]["run_dir"]) / "export", state.results["export"])
+    for line in outcome.summary_lines():
+        console.print(line, markup=False)
+    console.print("(verified on the held-out questions: logits, perplexity and greedy answers)")
 
 
 STAGES: list[tuple[str, Callable[[QuickstartState, Console], None]]] = [
     ("pretrain", stage_pretrain),
     ("sample", stage_sample),
     ("finetune", stage_finetune),
+    ("export", stage_export),
 ]
 
 
@@ -213,6 +233,8 @@ def _print_locations(state: QuickstartState, console: Console) -> None:
         console.print(f"fine-tune run     {finetune}")
         console.print(f"  LoRA adapter    {finetune / 'final' / 'adapter'}  (PEFT format)")
         console.print(f"  merged model    {finetune / 'final'}")
+        for fmt, artifact in state.results.get("export", {}).items():
+            console.print(f"  {fmt + ' export':15} {artifact['dir']}")
         console.print(
             f"  try it          lmforge generate {finetune / 'final'} --prompt 'Is plum a fruit, an animal, a color or a tool?'"
         )

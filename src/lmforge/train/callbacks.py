@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,18 @@ _SUMMARY_MARKER = "train_loss"
 class MetricsCallback(TrainerCallback):
     """Writes metrics.jsonl: one record per logged step, eval results merged into their step's record."""
 
-    def __init__(self, metrics: MetricsLog, *, language_model_loss: bool = True) -> None:
+    def __init__(
+        self,
+        metrics: MetricsLog,
+        *,
+        language_model_loss: bool = True,
+        extra: Callable[[dict[str, float]], dict[str, Any]] | None = None,
+        listeners: list[Callable[[dict[str, Any]], None]] | None = None,
+    ) -> None:
         self.metrics = metrics
+        # Fields measured outside HF's logs (guardrails, MFU, memory), given the throughput window.
+        self.extra = extra
+        self.listeners = list(listeners or [])  # sinks that get every record metrics.jsonl gets
         # eval_ppl = exp(eval_loss) only means perplexity for next-token losses (pretrain, sft);
         # a DPO / KTO / reward loss is logged as eval_loss alone.
         self.language_model_loss = language_model_loss
@@ -72,8 +83,15 @@ class MetricsCallback(TrainerCallback):
             for key in ("loss", "learning_rate", "grad_norm", "epoch"):
                 if key in logs:
                     record[_RENAMED.get(key, key)] = logs[key]
+            if "grad_norm" in record and args.max_grad_norm and args.max_grad_norm > 0:
+                record["grad_clipped"] = bool(
+                    record["grad_norm"] > args.max_grad_norm
+                )  # grad_norm is pre-clip
             record["tokens_seen"] = state.num_input_tokens_seen
-            record.update(self.meter.take_window())
+            window = self.meter.take_window()
+            record.update({key: window[key] for key in ("tokens_per_s", "step_time_s") if key in window})
+            if self.extra is not None:
+                record.update(self.extra(window))
         self.pending = record
 
     def on_save(
@@ -89,6 +107,8 @@ class MetricsCallback(TrainerCallback):
     def flush(self) -> None:
         if self.pending is not None:
             self.metrics.write(self.pending)
+            for listener in self.listeners:
+                listener(self.pending)
             self.pending = None
 
 

@@ -63,7 +63,12 @@ class ThroughputMeter:
             return {}
         wall = max(self._last_end - self._window_start, 1e-9)
         tokens = self._last_tokens - self._tokens_at_window_start
-        window = {"tokens_per_s": tokens / wall, "step_time_s": self._step_seconds / self._steps}
+        window = {
+            "tokens_per_s": tokens / wall,
+            "step_time_s": self._step_seconds / self._steps,
+            "window_s": wall,
+            "window_steps": self._steps,
+        }
         self._window_start, self._step_seconds, self._steps = None, 0.0, 0
         return window
 
@@ -93,3 +98,71 @@ class CountingCollator:
         batch = self.inner(features)
         batch[REAL_TOKENS_KEY] = torch.tensor(sum(feature_tokens(f) for f in features), dtype=torch.int64)
         return batch
+
+
+# Dense bf16 peak FLOP/s per device (vendor datasheets, without sparsity), matched by name.
+GPU_PEAK_FLOPS = (
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("A10G", 125e12),
+    ("A10", 125e12),
+    ("L4", 121e12),
+    ("4090", 165e12),
+    ("3090", 71e12),
+    ("V100", 125e12),
+    ("T4", 65e12),
+)
+_cpu_peak: float | None = None
+
+
+def flops_per_token(parameters: int, layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token (PaLM, appendix B): 6N for the weights plus 12 * L * d * T for
+    attention scores and values (d = heads x head_dim = hidden size)."""
+    return 6.0 * parameters + 12.0 * layers * hidden * seq_len
+
+
+def peak_flops(device: torch.device) -> float:
+    """Peak FLOP/s of one device: the datasheet value for known GPUs, else a measured matmul peak."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in GPU_PEAK_FLOPS:
+            if key in name:
+                return value
+    return measured_matmul_flops()
+
+
+def measured_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
+    """Best-of-N fp32 matmul throughput on this CPU (measured once per process, ~0.2 s)."""
+    global _cpu_peak
+    if _cpu_peak is None:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        torch.mm(a, b)  # warm-up
+        best = math.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+        _cpu_peak = 2 * size**3 / best
+    return _cpu_peak
+
+
+def mfu(tokens_per_s: float, flops_per_tok: float, peak: float, devices: int) -> float:
+    """Model FLOPs utilisation: achieved training FLOP/s over the peak of all devices."""
+    return tokens_per_s * flops_per_tok / (peak * devices)
+
+
+def memory_metrics() -> dict[str, float]:
+    """Process RSS, and the CUDA allocator's allocated / reserved / peak, in GB."""
+    import psutil
+
+    metrics = {"rss_gb": psutil.Process().memory_info().rss / 1e9}
+    if torch.cuda.is_available():
+        metrics["gpu_mem_allocated_gb"] = torch.cuda.memory_allocated() / 1e9
+        metrics["gpu_mem_reserved_gb"] = torch.cuda.memory_reserved() / 1e9
+        metrics["gpu_mem_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    return metrics

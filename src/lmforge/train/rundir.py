@@ -81,6 +81,10 @@ class RunPaths:
     def final(self) -> Path:
         return self.root / "final"
 
+    @property
+    def export(self) -> Path:
+        return self.root / "export"
+
 
 def holds_training_run(paths: RunPaths) -> bool:
     """Whether training already wrote here (what `lmforge prepare` writes does not count)."""

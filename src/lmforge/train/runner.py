@@ -21,13 +21,17 @@ from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback, Trai
 from transformers.integrations import TensorBoardCallback
 
 from lmforge.ckpt.atomic import CheckpointStatus, check_checkpoint, find_latest_complete
-from lmforge.config import LmforgeConfig
+from lmforge.ckpt.export import ExportOutcome, run_export
+from lmforge.config import LmforgeConfig, dump_config
+from lmforge.config.schema import MonitorConfig
 from lmforge.data.tokenizer import tokenizer_fingerprint
-from lmforge.errors import UserInputError
+from lmforge.errors import TrainingStopped, UserInputError
 from lmforge.models.build import build_model, count_parameters
 from lmforge.models.methods import Head, apply_training_method, check_method_runs_here, quantization_for
 from lmforge.monitor.metrics import MetricsLog, read_metrics
+from lmforge.monitor.run_monitor import RunMonitor, open_run_monitor
 from lmforge.train.callbacks import CheckpointCommitCallback, CrashDrillCallback, MetricsCallback
+from lmforge.train.guard_callback import GuardCallback, build_guard_callback, train_with_rollbacks
 from lmforge.train.precision import resolve_precision
 from lmforge.train.prepare import RunData, prepare_data_for_run
 from lmforge.train.rundir import RunPaths, claim_run_dir, write_manifest, write_resolved_config
@@ -48,6 +52,8 @@ class TrainOutcome:
     first_eval_loss: float | None = None
     last_eval_loss: float | None = None
     summary: dict[str, Any] = field(default_factory=dict)
+    export: ExportOutcome | None = None
+    interrupted_by: str | None = None  # the signal that stopped the run at a checkpoint
 
 
 def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] | None = None) -> TrainOutcome:
@@ -85,13 +91,63 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
     if resume is not None:
         dropped = metrics.truncate_after(resume.step)
         log.info("resuming from %s (%d metric records after it dropped)", resume.path, dropped)
-    trainer = _build_trainer(cfg, model, reference, tokenizer, data, paths, metrics, resume)
+    monitor = open_run_monitor(
+        cfg.monitor
+        if cfg.monitor.enabled
+        else MonitorConfig(enabled=False, loggers=cfg.monitor.loggers, system_metrics_seconds=None),
+        paths.root,
+        cfg.run.name,
+        rank=int(os.environ.get("RANK", "0")),
+        config=dump_config(cfg),
+        resume_step=resume.step if resume else None,
+    )
+    events = monitor.events
+    guard = build_guard_callback(cfg, model, events, paths.root / "stacks", resume.path if resume else None)
+    trainer = _build_trainer(cfg, model, reference, tokenizer, data, paths, metrics, resume, guard, monitor)
+    if cfg.monitor.enabled:
+        guard.attach(trainer)
     for callback in extra_callbacks or []:
         trainer.add_callback(callback)
     shutil.rmtree(paths.staging, ignore_errors=True)  # leftovers of a save interrupted by a crash
-    trainer.train(resume_from_checkpoint=str(resume.path) if resume else None)
+    try:
+        train_with_rollbacks(
+            trainer,
+            guard,
+            metrics,
+            paths.checkpoints,
+            str(resume.path) if resume else None,
+            lr_scale=cfg.monitor.guard.rollback_lr_scale,
+        )
+        if guard.stop_reason is not None:
+            raise TrainingStopped(
+                f"{guard.stop_reason}; the last good state is checkpoints/step-{trainer.state.global_step}"
+            )
+    except BaseException as err:
+        if trainer.is_world_process_zero():
+            kind = "stopped" if isinstance(err, TrainingStopped) else "failed"
+            events.emit(kind, trainer.state.global_step, f"{type(err).__name__}: {err}")
+        raise
+    finally:
+        guard.close()
+        monitor.close()
+    if guard.signal_stop is not None:  # checkpointed at a step boundary; the same command resumes
+        return TrainOutcome(
+            paths.root,
+            paths.final,
+            trainer.state.global_step,
+            resume.path if resume else None,
+            parameters,
+            interrupted_by=guard.signal_stop,
+        )
 
     _save_final(trainer, tokenizer, paths.final, merge_lora=cfg.export.merge_lora)
+    export = None
+    if cfg.export.formats and trainer.is_world_process_zero():
+        export = run_export(cfg.export, paths.final, paths.export)
+    if trainer.is_world_process_zero():
+        events.emit(
+            "finished", trainer.state.global_step, f"finished after {trainer.state.global_step} steps"
+        )
     records = read_metrics(paths.metrics)
     evals = [r["eval_ppl"] for r in records if "eval_ppl" in r]
     eval_losses = [r["eval_loss"] for r in records if "eval_loss" in r]
@@ -107,6 +163,7 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
         first_eval_loss=float(eval_losses[0]) if eval_losses else None,
         last_eval_loss=float(eval_losses[-1]) if eval_losses else None,
         summary=summary,
+        export=export,
     )
 
 
@@ -150,10 +207,23 @@ def _build_trainer(
     paths: RunPaths,
     metrics: MetricsLog,
     resume: CheckpointStatus | None,
+    guard: GuardCallback,
+    monitor: RunMonitor,
 ) -> Trainer:
     has_eval = data.eval is not None and len(data.eval) > 0  # type: ignore[arg-type]
+    watched = cfg.monitor.enabled
     callbacks: list[TrainerCallback] = [
-        MetricsCallback(metrics, language_model_loss=cfg.train.stage in ("pretrain", "sft")),
+        *(
+            [guard] if watched else []
+        ),  # first: its on_save writes guard state before the checkpoint is sealed
+        MetricsCallback(
+            metrics,
+            language_model_loss=cfg.train.stage in ("pretrain", "sft"),
+            extra=(lambda window: {**guard.extra_metrics(window), **monitor.system_metrics()})
+            if watched
+            else None,
+            listeners=monitor.record_listeners(),
+        ),
         CheckpointCommitCallback(
             paths.staging, paths.checkpoints, cfg.train.keep_last, best_metric=cfg.train.best_metric
         ),

@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -44,10 +46,18 @@ def _trained_tokenizer(cfg: LmforgeConfig, cache_dir: Path) -> PreTrainedTokeniz
         log.info("reusing tokenizer trained earlier on the same data: %s", cached)
         return load_tokenizer(str(cached), trust_remote_code=False)
     tokenizer = train_tokenizer(_all_documents(cfg.data.train), cfg.tokenizer.train)
-    partial = cached.with_name(key + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    tokenizer.save_pretrained(str(partial))
-    partial.rename(cached)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    # Written under a name of this process's own and renamed whole: distributed workers that
+    # train the same tokenizer at once each publish a complete copy, and the first one stays.
+    partial = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=cached.parent))
+    try:
+        tokenizer.save_pretrained(str(partial))
+        os.rename(partial, cached)
+    except OSError:
+        if not cached.is_dir():
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return tokenizer
 
 

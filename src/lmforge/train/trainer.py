@@ -1,5 +1,5 @@
-"""lmforge's Trainers: HF Trainer or a TRL trainer plus exact real-token counting, through their
-public step hooks. Everything else is the library's trainer unchanged."""
+"""lmforge's Trainers: HF Trainer or a TRL trainer plus exact real-token counting and guarded
+steps (train/guarded.py), through their step hooks. Everything else is the library's trainer unchanged."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from transformers import Trainer
 
+from lmforge.train.guarded import GuardedSteps
 from lmforge.train.numerics import REAL_TOKENS_KEY
 
 
@@ -50,10 +51,10 @@ def _mask_tokens(inputs: dict[str, Any]) -> torch.Tensor:
     return total
 
 
-class LmforgeTrainer(RealTokenCounting, Trainer):
-    """HF Trainer with exact real-token counting (pretrain and sft)."""
+class LmforgeTrainer(RealTokenCounting, GuardedSteps, Trainer):
+    """HF Trainer with exact real-token counting and guarded steps (pretrain and sft)."""
 
 
 def counting(trainer_class: type[Trainer]) -> type[Trainer]:
-    """`trainer_class` (a TRL trainer) with RealTokenCounting mixed in."""
-    return type(f"Lmforge{trainer_class.__name__}", (RealTokenCounting, trainer_class), {})
+    """`trainer_class` (a TRL trainer) with RealTokenCounting and GuardedSteps mixed in."""
+    return type(f"Lmforge{trainer_class.__name__}", (RealTokenCounting, GuardedSteps, trainer_class), {})

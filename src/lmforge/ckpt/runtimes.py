@@ -1,0 +1,174 @@
+"""Run a model artifact in its own runtime: transformers for HF directories and adapters,
+onnxruntime for ONNX exports, llama.cpp for GGUF files (transformers' GGUF reader when
+llama-cpp-python is not installed).
+
+Every runtime answers the same two questions on token ids, so `ckpt verify` compares any
+artifact with any reference without caring what either is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from lmforge.ckpt.safetensors_stream import SafetensorsReader
+from lmforge.errors import UserInputError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+RUNTIMES = ("auto", "transformers", "onnxruntime", "llama.cpp")
+# Coarse precision classes, each with its own default tolerances in verify.
+FULL, HALF, INT8 = "f32", "f16/bf16", "q8_0"
+
+
+class CausalRuntime(Protocol):
+    def logits(self, token_ids: list[int]) -> np.ndarray:
+        """Next-token logits at every position, float32 [len(token_ids), vocab]."""
+        ...
+
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """The greedy continuation's new token ids (no stop tokens applied)."""
+        ...
+
+
+@dataclass
+class Artifact:
+    """A model to run: what it is, which runtime runs it and at what precision."""
+
+    path: Path
+    format: str  # hf | peft-adapter | gguf | onnx
+    runtime_name: str
+    precision: str
+    runtime: CausalRuntime
+
+
+class TransformersRuntime:
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+
+    def logits(self, token_ids: list[int]) -> np.ndarray:
+        import torch
+
+        with torch.no_grad():
+            ids = torch.tensor([token_ids], device=self.model.device)
+            return self.model(input_ids=ids).logits[0].float().cpu().numpy()
+
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        # A plain argmax loop over the KV cache: generate() would apply the model's generation
+        # config (EOS stopping, minimum lengths), which other runtimes do not share.
+        import torch
+
+        new: list[int] = []
+        with torch.no_grad():
+            ids = torch.tensor([prompt_ids], device=self.model.device)
+            past = None
+            for _ in range(max_new_tokens):
+                out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                new.append(int(out.logits[0, -1].argmax()))
+                ids = torch.tensor([[new[-1]]], device=self.model.device)
+        return new
+
+
+def load_reference(path: Path) -> tuple[Artifact, PreTrainedTokenizerBase]:
+    """The reference model (HF directory, adapter or a run's final/) in transformers, and its tokenizer."""
+    from lmforge.evaluate.loading import load_for_inference
+
+    model, tokenizer = load_for_inference(path)
+    kind = "peft-adapter" if hasattr(model, "peft_config") else "hf"
+    return Artifact(path, kind, "transformers", _hf_precision(path), TransformersRuntime(model)), tokenizer
+
+
+def open_artifact(path: Path, runtime: str = "auto") -> Artifact:
+    """The artifact at `path` in the runtime that will serve it (`auto`: its own)."""
+    if runtime not in RUNTIMES:
+        raise UserInputError(f"--runtime {runtime!r}: choose one of {', '.join(RUNTIMES)}")
+    gguf = gguf_file(path)
+    if gguf is not None:
+        return _open_gguf(gguf, runtime)
+    if path.is_dir() and (path / "model.onnx").is_file():
+        _require(runtime, ("auto", "onnxruntime"), path, "an ONNX export runs in onnxruntime")
+        from lmforge.ckpt.to_onnx import OnnxCausalLM
+
+        return Artifact(path, "onnx", "onnxruntime", onnx_precision(path / "model.onnx"), OnnxCausalLM(path))
+    _require(runtime, ("auto", "transformers"), path, "an HF model or adapter runs in transformers")
+    artifact, _ = load_reference(path)
+    return artifact
+
+
+def gguf_file(path: Path) -> Path | None:
+    """The GGUF file `path` names, or the single one in directory `path`."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise UserInputError(f"{path}: {len(found)} GGUF files; name the one to verify")
+        return found[0] if found else None
+    return None
+
+
+def _open_gguf(path: Path, runtime: str) -> Artifact:
+    from lmforge.ckpt import gguf_runtime
+
+    _require(
+        runtime, ("auto", "llama.cpp", "transformers"), path, "a GGUF file runs in llama.cpp or transformers"
+    )
+    precision = gguf_precision(path)
+    has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
+    if runtime == "llama.cpp" or (runtime == "auto" and has_llama_cpp):
+        return Artifact(path, "gguf", "llama.cpp", precision, gguf_runtime.LlamaCppModel(path))
+    return Artifact(
+        path, "gguf", "transformers (GGUF reader)", precision, gguf_runtime.TransformersGgufModel(path)
+    )
+
+
+def _require(runtime: str, allowed: tuple[str, ...], path: Path, why: str) -> None:
+    if runtime not in allowed:
+        raise UserInputError(f"--runtime {runtime}: cannot run {path}; {why}")
+
+
+def gguf_precision(path: Path) -> str:
+    """The coarsest precision among the GGUF's weight tensors."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    types = {tensor.tensor_type for tensor in GGUFReader(path).tensors}
+    if types - {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}:
+        return INT8
+    return HALF if types & {GGMLQuantizationType.F16, GGMLQuantizationType.BF16} else FULL
+
+
+def onnx_precision(path: Path) -> str:
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    types = {init.data_type for init in model.graph.initializer}
+    return HALF if types & {onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16} else FULL
+
+
+def _hf_precision(path: Path) -> str:
+    shards = sorted(path.glob("*.safetensors")) or sorted((path / "adapter").glob("*.safetensors"))
+    dtypes: set[str] = set()
+    for shard in shards:
+        with SafetensorsReader(shard) as reader:
+            dtypes |= {entry.dtype for entry in reader.entries}
+    return HALF if dtypes & {"F16", "BF16"} else FULL
+
+
+def coarsest(*precisions: str) -> str:
+    order = [FULL, HALF, INT8]
+    return max(precisions, key=order.index)
+
+
+def token_logprob_mean(logits: np.ndarray, token_ids: list[int]) -> float:
+    """Mean next-token negative log-likelihood of `token_ids` under per-position `logits`."""
+    shifted = logits[:-1].astype(np.float64)
+    shifted -= shifted.max(axis=-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    targets = np.asarray(token_ids[1:])
+    return float(-log_probs[np.arange(len(targets)), targets].mean())

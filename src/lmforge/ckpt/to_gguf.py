@@ -1,0 +1,546 @@
+"""`lmforge ckpt convert --to gguf`: an HF Llama / Mistral / Qwen2 model -> one GGUF file + an Ollama Modelfile.
+
+The GGUF carries what llama.cpp needs to run the model as a chat model on its own: the
+architecture hyperparameters, the weights under llama.cpp's tensor names, and the tokenizer
+(vocabulary, merges or scores, special ids, chat template). Weights stream one tensor at a time:
+every tensor's name, type and size is known from the safetensors headers, so the GGUF header is
+written first and each tensor is read, converted and appended in turn (peak memory ~ one tensor).
+
+Two layout facts llama.cpp expects and HF does not:
+- Llama/Mistral run RoPE on interleaved pairs in llama.cpp (rope type NORM) but on halves in HF
+  (rotate_half), so the rows of q_proj/k_proj are permuted per head. Qwen2 uses llama.cpp's NEOX
+  rope type, which is HF's layout: no permutation.
+- Tied embeddings: llama.cpp reuses token_embd for the output when output.weight is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from lmforge.ckpt.convert import Conversion
+from lmforge.ckpt.safetensors_stream import INDEX_NAME, Entry, SafetensorsReader
+from lmforge.errors import UserInputError
+
+QType = gguf.GGMLQuantizationType
+# --dtype -> (type of 2-D weights, general.file_type)
+GGUF_DTYPES: dict[str, tuple[QType, gguf.LlamaFileType]] = {
+    "f32": (QType.F32, gguf.LlamaFileType.ALL_F32),
+    "f16": (QType.F16, gguf.LlamaFileType.MOSTLY_F16),
+    "bf16": (QType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+    "q8_0": (QType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: gguf.MODEL_ARCH
+    permute_qk: bool  # HF rotate_half layout -> llama.cpp interleaved (NORM) rope
+
+
+# HF model_type -> GGUF architecture. Mistral is the Llama graph in llama.cpp (as its own converter writes it).
+FAMILIES: dict[str, Family] = {
+    "llama": Family(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
+    "mistral": Family(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
+    "qwen2": Family(gguf.MODEL_ARCH.QWEN2, permute_qk=False),
+}
+# Buffers some checkpoints carry that are not weights.
+_SKIP_SUFFIXES = ("rotary_emb.inv_freq",)
+_Q8_ROWS_PER_CHUNK = 1024  # bounds the float32 scratch of q8_0 quantization
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One GGUF tensor: where its data comes from and how it is stored."""
+
+    name: str
+    qtype: QType
+    source: Path | None = None
+    entry: Entry | None = None
+    permute_heads: int = 0  # >0: apply the rope row permutation with this many heads
+    computed: np.ndarray | None = None  # a tensor made here (rope_freqs), not read from the source
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        if self.computed is not None:
+            return tuple(self.computed.shape)
+        assert self.entry is not None
+        return self.entry.shape
+
+    @property
+    def nbytes(self) -> int:
+        block, type_size = gguf.GGML_QUANT_SIZES[self.qtype]
+        rows = math.prod(self.shape[:-1])
+        return rows * (self.shape[-1] // block) * type_size
+
+
+def convert_to_gguf(source: Path, out: Path, *, dtype: str) -> Conversion:
+    """Write `<out>/model-<dtype>.gguf` and `<out>/Modelfile` from the HF model directory `source`."""
+    if dtype not in GGUF_DTYPES:
+        raise UserInputError(f"--dtype {dtype!r}: for gguf choose one of {', '.join(GGUF_DTYPES)}")
+    config = _read_config(source)
+    family = FAMILIES[config["model_type"]]
+    shards = _weight_files(source)
+    tokenizer = _load_tokenizer(source)
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"model-{dtype}.gguf"
+    partial = path.with_name(path.name + ".partial")
+    writer = gguf.GGUFWriter(partial, gguf.MODEL_ARCH_NAMES[family.arch])
+    details: dict[str, Any] = {
+        "architecture": writer.arch,
+        "dtype": dtype,
+        "source_model_type": config["model_type"],
+    }
+    _add_hyperparameters(writer, config, source, dtype)
+    rope_freqs = _add_rope_scaling(writer, config)
+    details |= add_tokenizer(writer, tokenizer, config)
+
+    plan = _plan_tensors(shards, config, family, GGUF_DTYPES[dtype][0])
+    if rope_freqs is not None:
+        name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
+        plan.append(PlannedTensor(name, QType.F32, computed=rope_freqs))
+    try:
+        _write_streaming(writer, plan)
+    except BaseException:
+        writer.close()
+        partial.unlink(missing_ok=True)
+        raise
+    writer.close()
+    os.replace(partial, path)
+
+    modelfile = out / "Modelfile"
+    modelfile.write_text(render_modelfile(path.name, tokenizer))
+    counts: dict[str, int] = {}
+    for tensor in plan:
+        counts[tensor.qtype.name] = counts.get(tensor.qtype.name, 0) + 1
+    details |= {"tensors": len(plan), "tensor_types": counts, "bytes": path.stat().st_size}
+    window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+    if window and window < config["max_position_embeddings"]:
+        details["note"] = (
+            f"sliding_window={window} is not used by llama.cpp's {writer.arch} graph: "
+            "outputs match the source only for sequences up to the window"
+        )
+    return Conversion(format="gguf", out=out, files=[path, modelfile], details=details)
+
+
+def _write_streaming(writer: gguf.GGUFWriter, plan: list[PlannedTensor]) -> None:
+    """Header, metadata and tensor index first (sizes are known from the safetensors headers),
+    then each tensor's data: read, convert, append, drop."""
+    for tensor in plan:
+        writer.add_tensor_info(
+            tensor.name, tensor.shape, np.dtype(np.float32), tensor.nbytes, raw_dtype=tensor.qtype
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    readers: dict[Path, SafetensorsReader] = {}
+    try:
+        for tensor in tqdm(plan, desc="write gguf", unit="tensor"):
+            if tensor.computed is not None:
+                writer.write_tensor_data(tensor.computed)
+                continue
+            assert tensor.source is not None and tensor.entry is not None
+            reader = readers.setdefault(tensor.source, SafetensorsReader(tensor.source))
+            writer.write_tensor_data(encode_tensor(reader.tensor(tensor.entry), tensor))
+    finally:
+        for reader in readers.values():
+            reader.close()
+
+
+def _read_config(source: Path) -> dict[str, Any]:
+    supported = ", ".join(sorted(FAMILIES))
+    config_path = source / "config.json"
+    if not source.is_dir() or not config_path.is_file():
+        raise UserInputError(
+            f"{source}: not an HF model directory (no config.json). GGUF export reads a directory saved with "
+            f"save_pretrained (config.json + *.safetensors) of model type {supported}."
+        )
+    config = json.loads(config_path.read_text())
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        raise UserInputError(
+            f"{config_path}: model_type {model_type!r} has no GGUF export here; supported: {supported}."
+        )
+    return config
+
+
+def _weight_files(source: Path) -> list[Path]:
+    index = source / INDEX_NAME
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [source / name for name in names]
+    if (source / "model.safetensors").is_file():
+        return [source / "model.safetensors"]
+    raise UserInputError(
+        f"{source}: no model.safetensors or {INDEX_NAME}. GGUF export reads safetensors weights only; "
+        f"for pytorch_model*.bin run `lmforge ckpt convert {source} --to safetensors --allow-bin --out DIR` first."
+    )
+
+
+def _load_tokenizer(source: Path) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(str(source), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise UserInputError(
+            f"{source}: no loadable tokenizer ({err}). A GGUF embeds its tokenizer: save it with "
+            "tokenizer.save_pretrained(DIR) next to the model."
+        ) from None
+
+
+def _rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 writes `rope_parameters`; older configs have rope_theta + rope_scaling."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def _head_dim(config: dict[str, Any]) -> int:
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def _add_hyperparameters(writer: gguf.GGUFWriter, config: dict[str, Any], source: Path, dtype: str) -> None:
+    writer.add_type(gguf.GGUFType.MODEL)
+    name = source.resolve().name
+    # transformers' GGUF reader treats a "llama" file whose general.name is exactly "mistral" as a
+    # Mistral architecture it cannot load (transformers 5.23); llama.cpp does not care about the name.
+    writer.add_name(f"{name}-model" if name.lower() == "mistral" else name)
+    writer.add_file_type(GGUF_DTYPES[dtype][1])
+    if dtype == "q8_0":
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
+    head_dim = _head_dim(config)
+    if head_dim != config["hidden_size"] // config["num_attention_heads"]:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(_rope_parameters(config)["rope_theta"]))
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+
+
+def _add_rope_scaling(writer: gguf.GGUFWriter, config: dict[str, Any]) -> np.ndarray | None:
+    """Rope scaling as llama.cpp reads it; Llama 3's frequency-dependent scaling is a per-frequency
+    factor tensor (rope_freqs), which this returns for writing."""
+    params = _rope_parameters(config)
+    kind = params["rope_type"]
+    if kind == "default":
+        return None
+    if kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(params["factor"]))
+        return None
+    if kind == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(params["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(params["original_max_position_embeddings"]))
+        return None
+    if kind == "llama3":
+        return _llama3_rope_factors(params, _head_dim(config))
+    raise UserInputError(
+        f"config.json: rope scaling {kind!r} has no GGUF export here; supported: default, linear, yarn, llama3"
+    )
+
+
+def _llama3_rope_factors(params: dict[str, Any], head_dim: int) -> np.ndarray:
+    """Divisors of each rotary frequency (Llama 3.1 scaling): none for short wavelengths, `factor`
+    for long ones, a smooth blend between."""
+    factor = float(params["factor"])
+    low, high = float(params.get("low_freq_factor", 1.0)), float(params.get("high_freq_factor", 4.0))
+    old_context = float(params.get("original_max_position_embeddings", 8192))
+    theta = float(params["rope_theta"])
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / freqs
+    smooth = np.clip((old_context / wavelen - low) / (high - low), 0.0, 1.0)
+    factors = 1.0 / ((1.0 - smooth) / factor + smooth)
+    return factors.astype(np.float32)
+
+
+def _plan_tensors(
+    shards: list[Path], config: dict[str, Any], family: Family, weight_type: QType
+) -> list[PlannedTensor]:
+    names = gguf.get_tensor_name_map(family.arch, config["num_hidden_layers"])
+    tied = bool(config.get("tie_word_embeddings", False))
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    plan: list[PlannedTensor] = []
+    for shard in shards:
+        with SafetensorsReader(shard) as reader:
+            entries = reader.entries
+        for entry in entries:
+            if entry.name.endswith(_SKIP_SUFFIXES) or (tied and entry.name == "lm_head.weight"):
+                continue
+            name = names.get_name(entry.name, try_suffixes=(".weight", ".bias"))
+            if name is None:
+                raise UserInputError(
+                    f"{shard}: tensor {entry.name!r} has no llama.cpp name for architecture "
+                    f"{gguf.MODEL_ARCH_NAMES[family.arch]!r}; is this a plain {config['model_type']} checkpoint?"
+                )
+            permute = 0
+            if family.permute_qk and ".attn_q." in name:
+                permute = heads
+            elif family.permute_qk and ".attn_k." in name:
+                permute = kv_heads
+            qtype = _storage_type(entry.shape, weight_type)
+            plan.append(PlannedTensor(name, qtype, shard, entry, permute))
+    return plan
+
+
+def _storage_type(shape: tuple[int, ...], weight_type: QType) -> QType:
+    """Norms, biases (1-D) stay f32, as llama.cpp keeps them; q8_0 needs rows in whole 32-blocks."""
+    if len(shape) != 2:
+        return QType.F32
+    block, _ = gguf.GGML_QUANT_SIZES[weight_type]
+    return weight_type if shape[-1] % block == 0 else QType.F16
+
+
+def rope_permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of one head go from [first halves | second halves] (HF) to interleaved pairs (llama.cpp)."""
+    shape = weight.shape
+    return weight.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+def encode_tensor(tensor: torch.Tensor, planned: PlannedTensor) -> np.ndarray:
+    """The bytes of one tensor as the GGUF stores it (a numpy array whose nbytes is planned.nbytes)."""
+    if planned.permute_heads:
+        tensor = rope_permute(tensor, planned.permute_heads)
+    if planned.qtype == QType.F32:
+        return tensor.to(torch.float32).contiguous().numpy()
+    if planned.qtype == QType.F16:
+        return tensor.to(torch.float16).contiguous().numpy()
+    if planned.qtype == QType.BF16:
+        return tensor.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint8)
+    rows = tensor.reshape(-1, tensor.shape[-1])
+    block, type_size = gguf.GGML_QUANT_SIZES[QType.Q8_0]
+    out = np.empty((rows.shape[0], rows.shape[1] // block * type_size), dtype=np.uint8)
+
+    for start in range(0, rows.shape[0], _Q8_ROWS_PER_CHUNK):
+        chunk = rows[start : start + _Q8_ROWS_PER_CHUNK].to(torch.float32).numpy()
+        out[start : start + _Q8_ROWS_PER_CHUNK] = gguf.quants.quantize(chunk, QType.Q8_0)
+    return out
+
+
+# ---- tokenizer ----------------------------------------------------------------------------------
+# A byte-level BPE split by GPT-2's regex (what `train_tokenizer` makes) is llama.cpp's "gpt-2"
+# pre-tokenizer; a Split regex in front of ByteLevel is named by matching it against the regexes
+# transformers' GGUF reader (which runs these files in CI) associates with llama.cpp's names.
+# A SentencePiece-style vocabulary becomes llama.cpp's SPM tokenizer, which puts the dummy-prefix
+# space before every text segment that follows a special token (Llama 2's "legacy" behaviour);
+# HF's Metaspace(prepend_scheme="first") puts it before the first segment only, and no GGUF key
+# selects that, so chat prompts of such tokenizers tokenize differently in llama.cpp.
+_PRE_TOKENIZER_NAMES = ("llama-bpe", "qwen2")
+_CHATML_END = "<|im_end|>"
+
+
+def add_tokenizer(
+    writer: gguf.GGUFWriter, tokenizer: PreTrainedTokenizerBase, config: dict[str, Any]
+) -> dict[str, Any]:
+    """Embed the tokenizer as llama.cpp reads it; returns facts for the conversion report."""
+    vocab_size = int(config["vocab_size"])
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    model = spec["model"]
+    if model["type"] != "BPE":
+        raise UserInputError(
+            f"tokenizer model {model['type']!r} has no GGUF export here; supported: byte-level BPE "
+            "(GPT-2 style, tokenizer.ggml.model gpt2) and SentencePiece-style BPE with byte fallback (llama)"
+        )
+    vocab = tokenizer.get_vocab()
+    if max(vocab.values()) >= vocab_size:
+        raise UserInputError(
+            f"tokenizer has ids up to {max(vocab.values())} but config.json vocab_size is {vocab_size}: the "
+            "embedding has no row for some tokens. Fix: resize the model's embeddings to the tokenizer "
+            "(model.resize_token_embeddings) and save it again."
+        )
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    for token, index in vocab.items():
+        tokens[index] = token
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    spm = bool(model.get("byte_fallback"))
+    types = _token_types(tokenizer, tokens, set(vocab.values()), spm)
+    writer.add_tokenizer_model("llama" if spm else "gpt2")
+    if spm:
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(_spm_scores(tokens, merges))
+        writer.add_add_space_prefix(_adds_space_prefix(spec))
+    else:
+        writer.add_tokenizer_pre(_pre_tokenizer_name(spec.get("pre_tokenizer")))
+        writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)  # the exact BPE; llama.cpp's SPM path ranks by scores instead
+    _add_special_tokens(writer, tokenizer, config)
+    template = tokenizer.chat_template
+    if isinstance(template, str):
+        writer.add_chat_template(template)
+    return {
+        "tokenizer_model": "llama" if spm else "gpt2",
+        "vocab_size": vocab_size,
+        "merges": len(merges),
+        "chat_template": isinstance(template, str),
+    }
+
+
+def _add_special_tokens(
+    writer: gguf.GGUFWriter, tokenizer: PreTrainedTokenizerBase, config: dict[str, Any]
+) -> None:
+    ids = _special_ids(tokenizer, config)
+    for key, add in (
+        ("bos", writer.add_bos_token_id),
+        ("eos", writer.add_eos_token_id),
+        ("unk", writer.add_unk_token_id),
+        ("pad", writer.add_pad_token_id),
+        ("eot", writer.add_eot_token_id),
+    ):
+        token_id = ids.get(key)
+        if token_id is not None:
+            add(token_id)
+    # Whether encoding adds bos/eos, as the tokenizer's post-processor does it.
+    probe = tokenizer("a")["input_ids"]
+    writer.add_add_bos_token(ids["bos"] is not None and probe[:1] == [ids["bos"]])
+    writer.add_add_eos_token(ids["eos"] is not None and probe[-1:] == [ids["eos"]])
+
+
+def _token_types(
+    tokenizer: PreTrainedTokenizerBase, tokens: list[str], used: set[int], spm: bool
+) -> list[int]:
+    added = tokenizer.added_tokens_decoder
+    types = []
+    for index, token in enumerate(tokens):
+        if spm and index == tokenizer.unk_token_id:
+            kind = gguf.TokenType.UNKNOWN
+        elif index in added:
+            kind = gguf.TokenType.CONTROL if added[index].special else gguf.TokenType.USER_DEFINED
+        elif index not in used:  # embedding rows past the tokenizer: llama.cpp's [PADn] placeholders
+            kind = gguf.TokenType.UNUSED
+        elif spm and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            kind = gguf.TokenType.BYTE
+        else:
+            kind = gguf.TokenType.NORMAL
+        types.append(int(kind))
+    return types
+
+
+def _spm_scores(tokens: list[str], merges: list[str]) -> list[float]:
+    """llama.cpp's SentencePiece tokenizer merges the adjacent pair whose joined token scores
+    highest; a BPE merge list says the same with ranks, so a merged token scores -rank."""
+    rank = {merge.replace(" ", ""): -float(i) for i, merge in reversed(list(enumerate(merges)))}
+    return [rank.get(token, 0.0) for token in tokens]
+
+
+def _adds_space_prefix(spec: dict[str, Any]) -> bool:
+    parts = [spec.get("pre_tokenizer") or {}, spec.get("normalizer") or {}]
+    flat: list[dict[str, Any]] = []
+    for part in parts:
+        flat += part.get("pretokenizers") or part.get("normalizers") or [part]
+    return any(
+        (p.get("type") == "Metaspace" and p.get("prepend_scheme", "always") != "never")
+        or (p.get("type") == "Prepend" and p.get("prepend") == "\u2581")
+        for p in flat
+    )
+
+
+def _pre_tokenizer_name(pre: dict[str, Any] | None) -> str:
+    from transformers.integrations.gguf import gguf_tokenizer_mapping
+
+    if (
+        pre
+        and pre.get("type") == "ByteLevel"
+        and pre.get("use_regex", True)
+        and not pre.get("add_prefix_space")
+    ):
+        return "gpt-2"
+    steps = (pre or {}).get("pretokenizers") or []
+    if len(steps) == 2 and steps[0].get("type") == "Split" and steps[1].get("type") == "ByteLevel":
+        regex = steps[0].get("pattern", {}).get("Regex")
+        for name in _PRE_TOKENIZER_NAMES:
+            if regex == gguf_tokenizer_mapping.GGUF_PRE_TOKENIZER_SPLITS[name]:
+                return name
+    raise UserInputError(
+        f"tokenizer pre-tokenizer {json.dumps(pre)[:200]} is not one llama.cpp knows by name; supported: "
+        "ByteLevel with GPT-2's regex (lmforge's own tokenizers), the Llama 3 split, the Qwen2 split"
+    )
+
+
+def _special_ids(tokenizer: PreTrainedTokenizerBase, config: dict[str, Any]) -> dict[str, int | None]:
+    """The tokenizer's special ids; bos/eos fall back to config.json's, as llama.cpp's converter does."""
+    from lmforge.data.chat import END_OF_TURN_TOKENS
+
+    vocab = tokenizer.get_vocab()
+    eot = next((vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and t != tokenizer.eos_token), None)
+    return {
+        "bos": tokenizer.bos_token_id
+        if tokenizer.bos_token_id is not None
+        else _config_id(config, "bos_token_id"),
+        "eos": tokenizer.eos_token_id
+        if tokenizer.eos_token_id is not None
+        else _config_id(config, "eos_token_id"),
+        "unk": tokenizer.unk_token_id,
+        "pad": tokenizer.pad_token_id,
+        "eot": eot,
+    }
+
+
+def _config_id(config: dict[str, Any], key: str) -> int | None:
+    value = config.get(key)
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, int) else None
+
+
+# ---- Ollama Modelfile ---------------------------------------------------------------------------
+# Ollama's Go-template form of ChatML; renders the same text as lmforge's CHATML_TEMPLATE with
+# add_generation_prompt=True.
+OLLAMA_CHATML = "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n"
+_PROBE = [
+    {"role": "system", "content": "S"},
+    {"role": "user", "content": "U1"},
+    {"role": "assistant", "content": "A1"},
+    {"role": "user", "content": "U2"},
+]
+
+
+def is_chatml(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer's chat template renders exactly ChatML (checked by rendering a probe)."""
+    if not isinstance(tokenizer.chat_template, str):
+        return False
+    expected = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in _PROBE)
+    expected += "<|im_start|>assistant\n"
+    try:
+        rendered = tokenizer.apply_chat_template(_PROBE, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - any template error means "not translatable"
+        return False
+    return rendered == expected
+
+
+def render_modelfile(gguf_name: str, tokenizer: PreTrainedTokenizerBase) -> str:
+    """An Ollama Modelfile for the GGUF next to it."""
+    lines = [f"FROM ./{gguf_name}", ""]
+    if is_chatml(tokenizer):
+        lines.append(f'TEMPLATE """{OLLAMA_CHATML}"""')
+    else:
+        lines += [
+            "# The chat template is not ChatML and was not translated to Ollama's Go template syntax;",
+            "# Ollama falls back to the Jinja template embedded in the GGUF (tokenizer.chat_template).",
+        ]
+    vocab = tokenizer.get_vocab()
+    stops = [t for t in (_CHATML_END, "<|eot_id|>", "<|end|>", "<end_of_turn>") if t in vocab]
+    if tokenizer.eos_token and tokenizer.eos_token not in stops:
+        stops.append(tokenizer.eos_token)
+    lines += [""] + [f'PARAMETER stop "{token}"' for token in stops]
+    return "\n".join(lines) + "\n"

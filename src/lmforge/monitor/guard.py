@@ -1,0 +1,148 @@
+"""Guardrail decisions: is this optimizer step healthy, and if not, what to do about it.
+
+Pure bookkeeping, no torch: the trainer measures (loss, grad norm), `Guardrails.judge` decides,
+and the trainer and its callback act (drop the update, roll back, stop). The state — the rolling
+loss window, counters, steps to skip after a rollback — is saved with every checkpoint, so a
+resumed run judges exactly as the uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from lmforge.config.schema import GuardConfig
+
+Action = Literal["apply", "skip", "rollback", "stop"]
+STATE_FILE = "lmforge_guard.json"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    action: Action
+    kind: str = ""  # nonfinite | spike | replayed
+    message: str = ""
+
+
+HEALTHY = Verdict("apply")
+
+
+@dataclass
+class Guardrails:
+    cfg: GuardConfig
+    window: deque[float] = field(default_factory=deque)
+    bad_in_a_row: int = 0
+    nonfinite_count: int = 0
+    spike_count: int = 0
+    skipped_steps: int = 0
+    rollbacks: int = 0
+    skip_on_replay: set[int] = field(default_factory=set)  # steps whose batches a rollback skips
+
+    def judge(self, step: int, loss: float, grad_norm: float | None) -> Verdict:
+        """The verdict for optimizer step `step` (1-based, the step about to be applied)."""
+        verdict = self._classify(step, loss, grad_norm)
+        if verdict.action == "apply":
+            self.bad_in_a_row = 0
+            self._remember(loss)
+            return verdict
+        self.bad_in_a_row += verdict.kind != "replayed"
+        if self.bad_in_a_row >= self.cfg.max_bad_steps:
+            return Verdict(
+                "stop",
+                verdict.kind,
+                f"{verdict.message}; {self.bad_in_a_row} bad steps in a row (monitor.guard.max_bad_steps="
+                f"{self.cfg.max_bad_steps})",
+            )
+        return verdict
+
+    def _classify(self, step: int, loss: float, grad_norm: float | None) -> Verdict:
+        if step in self.skip_on_replay:
+            return Verdict("skip", "replayed", f"step {step}: batch skipped after the rollback it caused")
+        if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
+            self.nonfinite_count += 1
+            what = "loss" if not math.isfinite(loss) else "gradient norm"
+            return Verdict(
+                self.cfg.nonfinite,
+                "nonfinite",
+                f"step {step}: non-finite {what} (loss={loss}, grad_norm={grad_norm})",
+            )
+        z = self.spike_score(loss)
+        if self.cfg.spike != "off" and z is not None and z > self.cfg.spike_sigma:
+            self.spike_count += 1
+            mean = sum(self.window) / len(self.window)
+            return Verdict(
+                self.cfg.spike,
+                "spike",
+                f"step {step}: loss {loss:.4g} is {z:.1f} sigma above the last {len(self.window)} steps' mean {mean:.4g}",
+            )
+        return HEALTHY
+
+    def spike_score(self, loss: float) -> float | None:
+        """Standard deviations above the window mean; None until the warm-up has passed.
+
+        The deviation has a floor of 1% of the mean: on a very smooth curve a tiny wiggle
+        would otherwise count as many sigmas."""
+        if len(self.window) < max(self.cfg.spike_warmup, 5):
+            return None
+        mean = sum(self.window) / len(self.window)
+        std = math.sqrt(sum((x - mean) ** 2 for x in self.window) / len(self.window))
+        return (loss - mean) / max(std, 0.01 * abs(mean), 1e-8)
+
+    def _remember(self, loss: float) -> None:
+        self.window.append(loss)
+        while len(self.window) > self.cfg.spike_window:
+            self.window.popleft()
+
+    def note_skipped(self) -> None:
+        self.skipped_steps += 1
+
+    def rewind(self, checkpoint: Path, bad_step: int) -> None:
+        """Back to `checkpoint`'s loss window; counters keep what happened since. On the replay
+        the batches of `bad_step` are skipped."""
+        path = checkpoint / STATE_FILE
+        if path.is_file():
+            state = json.loads(path.read_text())
+            self.window = deque(state["window"])
+        self.bad_in_a_row = 0
+        self.rollbacks += 1
+        self.skip_on_replay.add(bad_step)
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "nonfinite_count": self.nonfinite_count,
+            "spike_count": self.spike_count,
+            "skipped_steps": self.skipped_steps,
+            "rollbacks": self.rollbacks,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "window": list(self.window),
+            "bad_in_a_row": self.bad_in_a_row,
+            **self.counters(),
+            "skip_on_replay": sorted(self.skip_on_replay),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.window = deque(state["window"])
+        self.bad_in_a_row = state["bad_in_a_row"]
+        self.nonfinite_count = state["nonfinite_count"]
+        self.spike_count = state["spike_count"]
+        self.skipped_steps = state["skipped_steps"]
+        self.rollbacks = state["rollbacks"]
+        # Rollback skips are kept from the live state too: the checkpoint predates the rollback.
+        self.skip_on_replay |= set(state["skip_on_replay"])
+
+    def save(self, directory: Path) -> None:
+        (directory / STATE_FILE).write_text(json.dumps(self.state_dict()))
+
+    def load(self, directory: Path) -> bool:
+        path = directory / STATE_FILE
+        if not path.is_file():
+            return False
+        self.load_state_dict(json.loads(path.read_text()))
+        return True

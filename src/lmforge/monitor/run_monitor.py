@@ -1,0 +1,94 @@
+"""Everything that watches one training run from the outside, opened and closed together:
+the event log (with alerts and the Prometheus event counter listening), the metric sinks
+(W&B / MLflow / SwanLab), the Prometheus endpoint and the system sampler.
+
+Rank 0 owns the sinks, the endpoint and the sampler; every rank writes events and can alert
+(a stall or an out-of-memory is seen by the rank it happens on).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lmforge.config.schema import MonitorConfig
+from lmforge.monitor.alerts import AlertSender, alerts_configured
+from lmforge.monitor.events import EventLog
+from lmforge.monitor.prometheus import PrometheusExporter
+from lmforge.monitor.sinks import Sink, open_sinks
+from lmforge.monitor.system import SystemSampler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunMonitor:
+    events: EventLog
+    sinks: list[Sink] = field(default_factory=list)
+    exporter: PrometheusExporter | None = None
+    sampler: SystemSampler | None = None
+
+    def record_listeners(self) -> list[Callable[[dict[str, Any]], None]]:
+        """Who gets each metrics record besides metrics.jsonl."""
+        listeners: list[Callable[[dict[str, Any]], None]] = [sink.log for sink in self.sinks]
+        if self.exporter is not None:
+            listeners.append(self.exporter.update)
+        return listeners
+
+    def system_metrics(self) -> dict[str, float]:
+        """The latest background sample (also pushed to the endpoint)."""
+        if self.sampler is None:
+            return {}
+        sample = self.sampler.latest()
+        if self.exporter is not None and sample:
+            self.exporter.update(sample)
+        return sample
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as err:  # closing one sink must not lose the others
+                log.warning("closing %s failed: %s", sink.name, err)
+        if self.sampler is not None:
+            self.sampler.stop()
+        if self.exporter is not None:
+            self.exporter.stop()
+
+
+def open_run_monitor(
+    cfg: MonitorConfig,
+    run_dir: Path,
+    run_name: str,
+    *,
+    rank: int,
+    config: dict[str, Any],
+    resume_step: int | None,
+) -> RunMonitor:
+    """Open the run's monitoring; `config` is the resolved, redacted config (for the sinks)."""
+    events = EventLog(run_dir / "events")
+    monitor = RunMonitor(events)
+    if alerts_configured(cfg.alerts):
+
+        def sent(event: dict[str, Any], status: int) -> None:
+            events.emit("alert_sent", event["step"], f"alert for {event['kind']} sent (HTTP {status})")
+
+        events.listeners.append(AlertSender(cfg.alerts, run_name, on_sent=sent))
+    if rank != 0:
+        return monitor
+    try:
+        monitor.sinks = open_sinks(cfg, run_dir, run_name, config, resume_step)
+        if cfg.prometheus.enabled:
+            monitor.exporter = PrometheusExporter(cfg.prometheus, run_name)
+            port = monitor.exporter.start()
+            log.info("Prometheus metrics on http://%s:%d/metrics", cfg.prometheus.host, port)
+            events.listeners.append(monitor.exporter.count_event)
+        if cfg.system_metrics_seconds:
+            monitor.sampler = SystemSampler(cfg.system_metrics_seconds).start()
+    except BaseException:
+        monitor.close()
+        raise
+    return monitor

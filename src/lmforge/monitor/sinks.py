@@ -1,0 +1,329 @@
+"""Metric sinks besides metrics.jsonl: Weights & Biases, MLflow, SwanLab (TensorBoard lives elsewhere).
+
+`open_sinks(cfg, run_dir, run_name, config, resume_step)` opens the sinks named in
+`monitor.loggers`, each writing under the run directory by default and working with no
+network: W&B offline, MLflow's file store in run_dir/mlruns, SwanLab offline. A resumed run
+continues the same W&B / MLflow run (ids kept in run_dir/sinks.json) on the same step axis:
+each sink logs a (key, step) pair at most once and never goes back, so the steps a resume
+replays after its checkpoint are not logged again. Open sinks on the main process only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from lmforge.config.redact import redact
+from lmforge.config.schema import MonitorConfig
+from lmforge.errors import UserInputError
+
+log = logging.getLogger(__name__)
+STATE_FILE = "sinks.json"
+DEFAULT_PROJECT = "lmforge"
+SINK_LOGGERS = ("wandb", "mlflow", "swanlab")
+_EXTRA = {"wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab"}
+_MODULE = {"wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab"}
+
+
+class Sink(Protocol):
+    name: str
+
+    def log(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def open_sinks(
+    cfg: MonitorConfig, run_dir: Path, run_name: str, config: dict[str, Any], resume_step: int | None
+) -> list[Sink]:
+    """Open every sink in cfg.loggers but tensorboard; a missing library is a UserInputError."""
+    project = cfg.project or DEFAULT_PROJECT
+    safe_config = redact(config)  # the caller redacts too; a second pass costs nothing
+    openers = {"wandb": WandbSink, "mlflow": MlflowSink, "swanlab": SwanlabSink}
+    names = [name for name in dict.fromkeys(cfg.loggers) if name in openers]
+    for name in names:  # every library checked before any run is created
+        _require(name)
+    sinks: list[Sink] = []
+    try:
+        for name in names:
+            sinks.append(openers[name](run_dir, run_name, project, safe_config, resume_step))
+    except Exception:
+        for sink in sinks:
+            with contextlib.suppress(Exception):
+                sink.close()
+        raise
+    return sinks
+
+
+def _require(name: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(_MODULE[name]) is None:
+        raise UserInputError(
+            f"monitor.loggers: '{name}' needs the {name} package; install it with "
+            f"`pip install 'lmforge[{_EXTRA[name]}]'` or remove {name} from monitor.loggers"
+        )
+
+
+class _SinkState:
+    """run_dir/sinks.json: each sink's run id and last logged step, rewritten atomically."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / STATE_FILE
+
+    def get(self, sink: str) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            return {}
+        entry = data.get(sink) if isinstance(data, dict) else None
+        return entry if isinstance(entry, dict) else {}
+
+    def put(self, sink: str, entry: dict[str, Any]) -> None:
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            data = {}
+        data[sink] = entry
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(data, indent=2), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+
+class _StepAxisSink:
+    """The step guard shared by every sink: (key, step) at most once, steps never backwards."""
+
+    name = "sink"
+
+    def __init__(self, run_dir: Path, resume_step: int | None) -> None:
+        self._state = _SinkState(run_dir)
+        saved = self._state.get(self.name)
+        floor = saved.get("last_step")
+        if resume_step is not None:
+            floor = max(int(floor), resume_step) if floor is not None else resume_step
+        self._floor: int | None = (
+            int(floor) if floor is not None else None
+        )  # steps <= floor were logged before
+        self._step: int | None = None  # the step being logged in this process
+        self._keys_at_step: set[str] = set()
+        self.run_id: str | None = saved.get("run_id")
+        self.skipped = 0  # records (or parts) refused by the guard
+        self._closed = False
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Log the numeric values of one metrics record at record["step"]."""
+        if self._closed:
+            return
+        step = int(record["step"])
+        if (self._floor is not None and step <= self._floor) or (
+            self._step is not None and step < self._step
+        ):
+            self.skipped += 1
+            return
+        if step != self._step:
+            self._step, self._keys_at_step = step, set()
+        values = {k: v for k, v in _numeric(record).items() if k not in self._keys_at_step}
+        if len(values) < len(_numeric(record)):
+            self.skipped += 1
+        if not values:
+            return
+        self._write(step, values)
+        self._keys_at_step.update(values)
+        self._state.put(self.name, {"run_id": self.run_id, "last_step": step})
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._finish()
+
+    def _write(self, step: int, values: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+
+class WandbSink(_StepAxisSink):
+    """Weights & Biases: offline unless WANDB_MODE or WANDB_API_KEY says otherwise; files in run_dir/wandb."""
+
+    name = "wandb"
+
+    def __init__(
+        self, run_dir: Path, run_name: str, project: str, config: dict[str, Any], resume_step: int | None
+    ) -> None:
+        import wandb
+
+        super().__init__(run_dir, resume_step)
+        configured = os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY")
+        (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        settings = wandb.Settings(
+            console="off",  # stdout/stderr stay ours (already redacted), not copied into the run
+            x_disable_meta=True,  # no argv (overrides may hold secrets), git remote or host details
+            silent=True,
+        )
+        self._run = wandb.init(
+            project=project,
+            name=run_name,
+            id=self.run_id,  # None: wandb picks one, kept in sinks.json for the resume
+            resume="allow",
+            dir=str(run_dir),  # wandb adds the wandb/ folder itself
+            mode=None if configured else "offline",
+            config=config,
+            settings=settings,
+        )
+        self.run_id = self._run.id
+        self.files_dir = Path(self._run.dir).parent  # wandb/offline-run-<time>-<id>/ (or run-...)
+        self._state.put(self.name, {"run_id": self.run_id, "last_step": self._floor})
+
+    def _write(self, step: int, values: dict[str, float]) -> None:
+        self._run.log(values, step=step)
+
+    def _finish(self) -> None:
+        self._run.finish()
+
+
+class MlflowSink(_StepAxisSink):
+    """MLflow: MLFLOW_TRACKING_URI if set, else the file store run_dir/mlruns; the same run on resume."""
+
+    name = "mlflow"
+    _id: str  # the MLflow run id (run_id without the Optional)
+
+    def __init__(
+        self, run_dir: Path, run_name: str, project: str, config: dict[str, Any], resume_step: int | None
+    ) -> None:
+        from mlflow.tracking import MlflowClient
+
+        super().__init__(run_dir, resume_step)
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            uri = (run_dir / "mlruns").resolve().as_uri()
+            # MLflow 3 refuses new file stores unless asked; the file store is the one backend
+            # that needs no server and no database (`mlflow ui --backend-store-uri` reads it).
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.tracking_uri = uri
+        self.client = MlflowClient(tracking_uri=uri)
+        experiment = self.client.get_experiment_by_name(project)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
+        existing = self._existing_run(self.run_id)
+        if existing is not None:
+            self._id = existing.info.run_id
+            self.client.update_run(self._id, status="RUNNING")
+            logged = dict(existing.data.params)
+        else:
+            run = self.client.create_run(
+                experiment_id, run_name=run_name, tags={"lmforge.run_dir": str(run_dir)}
+            )
+            self._id, logged = run.info.run_id, {}
+        self.run_id = self._id
+        self._log_params(_flatten(config), logged)
+        self.client.log_dict(self._id, config, "config.json")
+        self._state.put(self.name, {"run_id": self.run_id, "last_step": self._floor})
+
+    def _existing_run(self, run_id: str | None) -> Any:
+        if not run_id:
+            return None
+        try:
+            return self.client.get_run(run_id)
+        except Exception:
+            log.warning("mlflow run %s from %s not found; starting a new run", run_id, STATE_FILE)
+            return None
+
+    def _log_params(self, params: dict[str, str], logged: dict[str, str]) -> None:
+        """Params are immutable in MLflow: on resume, new keys are added and changed ones reported."""
+        from mlflow.entities import Param
+
+        changed = sorted(k for k, v in params.items() if k in logged and logged[k] != v)
+        if changed:
+            log.warning("mlflow keeps the first value of params changed on resume: %s", ", ".join(changed))
+        fresh = [Param(k, v) for k, v in params.items() if k not in logged]
+        for start in range(0, len(fresh), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self._id, params=fresh[start : start + 100])
+
+    def _write(self, step: int, values: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(key, value, now, step) for key, value in values.items()]
+        self.client.log_batch(self._id, metrics=metrics)
+
+    def _finish(self) -> None:
+        self.client.set_terminated(self._id, "FINISHED")
+
+
+class SwanlabSink(_StepAxisSink):
+    """SwanLab: offline (files in run_dir/swanlog) unless SWANLAB_MODE or SWANLAB_API_KEY says otherwise."""
+
+    name = "swanlab"
+
+    def __init__(
+        self, run_dir: Path, run_name: str, project: str, config: dict[str, Any], resume_step: int | None
+    ) -> None:
+        import swanlab
+
+        super().__init__(run_dir, resume_step)
+        configured = os.environ.get("SWANLAB_MODE") or os.environ.get("SWANLAB_API_KEY")
+        kwargs: dict[str, Any] = {}
+        if configured and self.run_id:  # resuming needs the SwanLab service; offline runs start anew
+            kwargs = {"id": self.run_id, "resume": "allow"}
+        self._run = swanlab.init(
+            project=project,
+            experiment_name=run_name,
+            config=config,
+            logdir=str(run_dir / "swanlog"),
+            mode=None if configured else "offline",
+            # No argv (overrides may hold secrets) or git remote in the metadata; output stays ours.
+            settings=swanlab.Settings(
+                probe={"runtime": False, "git": False}, terminal={"proxy_type": "none"}
+            ),
+            **kwargs,
+        )
+        self.run_id = str(getattr(self._run, "id", None) or self.run_id or "")
+        self._state.put(self.name, {"run_id": self.run_id, "last_step": self._floor})
+
+    def _write(self, step: int, values: dict[str, float]) -> None:
+        self._run.log(values, step=step)
+
+    def _finish(self) -> None:
+        self._run.finish()
+
+
+def _numeric(record: dict[str, Any]) -> dict[str, float]:
+    """The loggable values of a record: numbers, bools, and the "nan"/"inf" strings of metrics.jsonl."""
+    values: dict[str, float] = {}
+    for key, value in record.items():
+        if key == "step":
+            continue
+        number = _as_float(value)
+        if number is not None:
+            values[key] = number
+    return values
+
+
+def _as_float(value: Any) -> float | None:
+    if isinstance(value, bool | int | float):
+        return float(value)
+    if isinstance(value, str) and value.lower() in ("nan", "inf", "-inf"):
+        return float(value)
+    return None
+
+
+def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Dotted params (train.lr=0.0003), values as short strings (MLflow caps a param's length)."""
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{path}."))
+        else:
+            text = json.dumps(value) if not isinstance(value, str) else value
+            if isinstance(value, float) and not math.isfinite(value):
+                text = str(value)
+            flat[path] = text[:6000]
+    return flat

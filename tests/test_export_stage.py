@@ -1,0 +1,106 @@
+"""The config's export: section: merge -> convert -> verify at the end of `lmforge train`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lmforge.ckpt.atomic import check_checkpoint
+from lmforge.config.schema import ModelConfig, TokenizerTrainConfig
+from lmforge.data.tokenizer import train_tokenizer
+from lmforge.models.build import build_model
+from tests.conftest import ROOT, SMALL_ARCH, run_cli
+
+pytestmark = pytest.mark.slow
+ALPACA = ROOT / "examples" / "data" / "arithmetic_alpaca.jsonl"
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("base") / "model"
+    tokenizer = train_tokenizer(ALPACA.read_text().splitlines() * 2, TokenizerTrainConfig(vocab_size=400))
+    torch.manual_seed(0)
+    build_model(
+        ModelConfig(preset="llama-tiny", config=SMALL_ARCH), tokenizer, max_length=128
+    ).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def train(tmp_path: Path, base: Path, name: str, method: str, export: dict) -> tuple[Path, str]:
+    config = {
+        "run": {"name": name, "output_dir": str(tmp_path / "runs"), "seed": 0},
+        "model": {"path": str(base)},
+        "data": {"train": [{"path": str(ALPACA)}], "max_length": 128, "over_length": "truncate"},
+        "train": {
+            "stage": "sft",
+            "method": method,
+            "max_steps": 6,
+            "micro_batch_size": 4,
+            "lr": 3e-3,
+            "precision": "fp32",
+            "log_every": 2,
+        },
+        "export": export,
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = run_cli("train", str(path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp_path / "runs" / name, result.stdout
+
+
+def test_full_run_exports_every_format_and_each_passes_verification(tmp_path: Path, base_model: Path) -> None:
+    run_dir, stdout = train(
+        tmp_path,
+        base_model,
+        "full",
+        "full",
+        {"formats": ["safetensors", "gguf", "onnx"], "gguf_dtype": "f32", "safetensors_dtype": "bf16"},
+    )
+    summary = json.loads((run_dir / "export" / "export.json").read_text())
+    assert summary["reference"] == str(run_dir / "final")
+    for fmt, precision in (("safetensors", "f16/bf16"), ("gguf", "f32"), ("onnx", "f32")):
+        artifact = summary["artifacts"][fmt]
+        verdict = artifact["verification"]
+        assert verdict["passed"], (fmt, verdict["failures"])
+        assert verdict["precision"] == precision
+        assert check_checkpoint(Path(artifact["dir"])).complete  # sealed with a hash manifest
+        assert f"export {fmt}" in stdout and "PASS" in stdout
+    assert summary["artifacts"]["onnx"]["verification"]["runtime"] == "onnxruntime"
+    assert summary["artifacts"]["gguf"]["verification"]["parity"]["top1_agreement"] == 1.0
+
+
+def test_lora_run_is_merged_then_exported_and_verified_against_the_adapter(
+    tmp_path: Path, base_model: Path
+) -> None:
+    run_dir, _ = train(tmp_path, base_model, "lora", "lora", {"formats": ["gguf"], "gguf_dtype": "f32"})
+    summary = json.loads((run_dir / "export" / "export.json").read_text())
+    assert summary["source"] == str(run_dir / "export" / "merged")  # final/ holds the adapter only
+    assert summary["reference"] == str(run_dir / "final" / "adapter")
+    verdict = summary["artifacts"]["gguf"]["verification"]
+    assert verdict["passed"], verdict["failures"]
+    assert verdict["parity"]["logits_rel_diff"] < 1e-4
+
+
+def test_export_of_a_reward_model_is_refused_before_training(tmp_path: Path, base_model: Path) -> None:
+    path = tmp_path / "rm.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"path": str(base_model)},
+                "data": {
+                    "train": [{"path": str(ROOT / "examples" / "data" / "arithmetic_preference.jsonl")}]
+                },
+                "train": {"stage": "rm"},
+                "export": {"formats": ["gguf"]},
+            }
+        )
+    )
+    result = run_cli("train", str(path))
+    assert result.returncode == 2
+    assert "export.formats" in result.stderr and "reward model" in result.stderr
