@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from lmforge.cli.doctor import doctor
 from lmforge.errors import UserInputError
-from lmforge.monitor.doctor import diagnose_run, environment_report
+from lmforge.monitor.diagnosis import diagnose_run
+from lmforge.monitor.doctor import environment_report
 
 CONFIG = {
     "run": {"name": "synthetic"},

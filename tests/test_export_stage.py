@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from lmforge.ckpt.atomic import check_checkpoint
+from lmforge.ckpt.inspect import inspect_checkpoint
 from lmforge.config.schema import ModelConfig, TokenizerTrainConfig
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.models.build import build_model
@@ -73,6 +75,16 @@ def test_full_run_exports_every_format_and_each_passes_verification(tmp_path: Pa
         assert f"export {fmt}" in stdout and "PASS" in stdout
     assert summary["artifacts"]["onnx"]["verification"]["runtime"] == "onnxruntime"
     assert summary["artifacts"]["gguf"]["verification"]["parity"]["top1_agreement"] == 1.0
+
+    # ckpt inspect reads what each export is from its headers.
+    hf_parameters = sum(t.numel() for t in load_file(run_dir / "final" / "model.safetensors").values())
+    gguf = inspect_checkpoint(run_dir / "export" / "gguf")
+    assert (gguf["format"], gguf["architecture"], gguf["tokenizer"]) == ("gguf", "llama", "gpt2")
+    assert gguf["parameters"] == hf_parameters and gguf["chat_template"] is True
+    assert gguf["lmforge_checkpoint"]["complete"] is True
+    onnx = inspect_checkpoint(run_dir / "export" / "onnx")
+    assert onnx["format"] == "onnx" and onnx["inputs"] == ["input_ids", "attention_mask"]
+    assert onnx["outputs"] == ["logits"] and set(onnx["dtypes"]) >= {"FLOAT"}
 
 
 def test_lora_run_is_merged_then_exported_and_verified_against_the_adapter(

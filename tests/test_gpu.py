@@ -85,3 +85,26 @@ def test_dpo_lora_under_automatic_bf16(tmp_path: Path, base_model: Path) -> None
     rows = [r for r in records(outcome.run_dir) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_guardrails_skip_and_gpu_metrics_under_bf16_on_cuda(tmp_path: Path) -> None:
+    """A NaN step under bf16 autocast on CUDA is skipped like on CPU; records carry the CUDA
+    allocator's memory and an MFU against the GPU's datasheet peak."""
+    from tests.test_guardrails import config, events_of, metrics_of
+
+    corpus = tmp_path / "text.jsonl"
+    corpus.write_text(
+        "".join(f'{{"text": "the cat sat on the mat {i} times and ran"}}\n' for i in range(300))
+    )
+    outcome = run_training(
+        load_config(
+            None, base=config(tmp_path, corpus, precision="bf16", faults=[{"kind": "nan", "step": 3}])
+        )
+    )
+    skips = [e for e in events_of(outcome.run_dir) if e["kind"] == "nonfinite"]
+    assert [(e["step"], e["action"]) for e in skips] == [(3, "skip")]
+    last = metrics_of(outcome.run_dir)[-1]
+    print({k: v for k, v in last.items() if k.startswith(("gpu", "sys_gpu", "mfu", "rss"))})
+    assert last["gpu_mem_allocated_gb"] > 0 and last["gpu_mem_peak_gb"] >= last["gpu_mem_allocated_gb"]
+    assert 0 < last["mfu"] < 1
+    assert isinstance(last["loss"], float)  # the NaN did not stick

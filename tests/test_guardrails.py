@@ -191,18 +191,29 @@ def test_nan_step_is_skipped_parameters_and_optimizer_state_unchanged(tmp_path: 
 
 def test_rollback_restores_the_checkpoint_and_skips_the_batches(tmp_path: Path, corpus: Path) -> None:
     faults = [{"kind": "nan", "step": 7}]
-    skipped = train(config(tmp_path, corpus, name="skip", faults=faults))
-    rolled = train(
-        config(
-            tmp_path, corpus, name="rollback", faults=faults, guard={"nonfinite": "rollback"}, save_every=4
-        )
+    # With eval data: the replay must not evaluate step-4 a second time.
+    skip_cfg = config(tmp_path, corpus, name="skip", faults=faults, eval_every=5)
+    rollback_cfg = config(
+        tmp_path,
+        corpus,
+        name="rollback",
+        faults=faults,
+        guard={"nonfinite": "rollback"},
+        save_every=4,
+        eval_every=5,
     )
+    for cfg in (skip_cfg, rollback_cfg):
+        cfg["data"]["eval_fraction"] = 0.05
+    skipped = train(skip_cfg)
+    rolled = train(rollback_cfg)
     kinds = [(e["kind"], e["step"]) for e in events_of(rolled.run_dir)]
     assert ("nonfinite", 7) in kinds and ("rollback", 7) in kinds and kinds[-1][0] == "finished"
     rollback = next(e for e in events_of(rolled.run_dir) if e["kind"] == "rollback")
     assert rollback["checkpoint"].endswith("step-4")
-    steps = [r["step"] for r in metrics_of(rolled.run_dir)]
-    assert steps == sorted(set(steps)) == list(range(1, 11))  # replayed steps logged once
+    records = metrics_of(rolled.run_dir)
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)) == list(range(0, 11))  # replayed steps logged once (0: eval on start)
+    assert [r["step"] for r in records if "eval_loss" in r] == [0, 5, 10]
     # Steps 5-6 replay the same batches from step-4 and step 7's batch is skipped: the result is
     # the run that skipped step 7 in place, bit for bit.
     a = load_file(skipped.final_dir / "model.safetensors")

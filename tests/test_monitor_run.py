@@ -31,17 +31,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def scrape_until(port: int, stop: threading.Event, seen: list[dict[str, float]]) -> None:
-    """Poll /metrics while the run trains; keep the last parsed sample set."""
+def scrape_until(port: int, stop: threading.Event, seen: list[dict[str, float]], errors: list[str]) -> None:
+    """Poll /metrics while the run trains; keep every parsed sample set that has a step."""
     while not stop.is_set():
         try:
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1).read().decode()
+        except OSError:  # not listening yet, or already closed
+            time.sleep(0.05)
+            continue
+        try:
             samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-            if samples.get("lmforge_step", 0) >= 1:
-                seen.append(samples)
-        except OSError:
-            pass
-        time.sleep(0.2)
+        except ValueError as err:  # an exposition the parser rejects fails the test below
+            errors.append(f"{err}: {text[:2000]}")
+            return
+        if samples.get("lmforge_step", 0) >= 1:
+            seen.append(samples)
+        time.sleep(0.05)
 
 
 def test_run_alerts_exports_and_keeps_secrets_out(
@@ -54,7 +59,14 @@ def test_run_alerts_exports_and_keeps_secrets_out(
     receiver = Receiver()
     port = free_port()
     base = config(
-        tmp_path, corpus, max_steps=8, faults=[{"kind": "nan", "step": 3}, {"kind": "nan", "step": 5}]
+        tmp_path,
+        corpus,
+        max_steps=8,
+        faults=[
+            {"kind": "nan", "step": 3},
+            {"kind": "nan", "step": 5},
+            {"kind": "hang", "step": 6, "seconds": 2.0},  # holds the endpoint up with steps on record
+        ],
     )
     base["monitor"].update(
         {
@@ -68,8 +80,8 @@ def test_run_alerts_exports_and_keeps_secrets_out(
     path.write_text(yaml.safe_dump(base))
     env = {**os.environ, "MY_SERVICE_API_KEY": ENV_SECRET, "WANDB_MODE": "offline"}
     env.pop("WANDB_API_KEY", None)
-    stop, seen = threading.Event(), []
-    scraper = threading.Thread(target=scrape_until, args=(port, stop, seen), daemon=True)
+    stop, seen, errors = threading.Event(), [], []
+    scraper = threading.Thread(target=scrape_until, args=(port, stop, seen, errors), daemon=True)
     scraper.start()
     try:
         result = subprocess.run(
@@ -94,12 +106,14 @@ def test_run_alerts_exports_and_keeps_secrets_out(
     assert [e["kind"] for e in events].count("nonfinite") == 2
 
     # Prometheus served live numbers from this run, on loopback.
+    assert not errors, errors
     assert seen, "the endpoint never served a training step"
     assert seen[-1]["lmforge_step"] >= 1 and "lmforge_loss" in seen[-1]
     assert any(name.startswith("lmforge_sys_") for name in seen[-1])
 
     # The same records reached W&B's offline files and MLflow's file store.
-    assert list((run_dir / "wandb").rglob("*.wandb"))
+    (wandb_log,) = list((run_dir / "wandb").rglob("*.wandb"))
+    assert b"lmforge nonfinite" in wandb_log.read_bytes()  # wandb.alert, recorded offline
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # reading back a file store, as the sink wrote it

@@ -15,6 +15,9 @@ from lmforge.train.numerics import (
     CountingCollator,
     ThroughputMeter,
     feature_tokens,
+    flops_per_token,
+    mfu,
+    peak_flops,
     perplexity,
 )
 
@@ -51,10 +54,18 @@ def test_throughput_window_and_perplexity() -> None:
     meter.step_started(100)
     meter.step_ended(300)
     window = meter.take_window()
-    assert window == {"tokens_per_s": 100.0, "step_time_s": 1.5}
+    assert window == {"tokens_per_s": 100.0, "step_time_s": 1.5, "window_s": 3.0, "window_steps": 2}
     assert meter.take_window() == {}
     assert (
         perplexity(math.log(20.0)) == pytest.approx(20.0)
         and perplexity(float("nan")) == math.inf
         and perplexity(1e6) == math.inf
     )
+
+
+def test_flops_per_token_and_mfu_follow_the_palm_formula() -> None:
+    # 6N for the weights plus 12 * layers * hidden * seq for attention (PaLM, appendix B).
+    assert flops_per_token(1_000_000, 4, 256, 512) == 6e6 + 12 * 4 * 256 * 512
+    # 1,000 tokens/s at 1 GFLOP per token on 2 devices of 1 TFLOP/s each: 50% utilisation.
+    assert mfu(1000.0, 1e9, 1e12, 2) == pytest.approx(0.5)
+    assert peak_flops(torch.device("cpu")) > 1e9  # a measured matmul peak on CPU

@@ -290,3 +290,8 @@ def test_quickstart_runs_offline_and_says_where_everything_is(tmp_path: Path) ->
         assert verdict["runtime"] in (runtime, "llama.cpp")  # llama.cpp when llama-cpp-python is installed
         assert f"export {fmt}" in result.stdout
     assert "FAIL" not in result.stdout
+    # Each run leaves its HTML report, and the quickstart says where.
+    for name in ("pretrain", "finetune"):
+        report = tmp_path / "qs" / name / "report.html"
+        assert report.is_file() and str(report) in result.stdout
+        assert "<svg" in report.read_text()

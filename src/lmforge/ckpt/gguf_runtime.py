@@ -32,11 +32,19 @@ def _check_file(path: Path) -> Path:
     return path
 
 
+_GGML_F32 = 0  # ggml_type GGML_TYPE_F32
+
+
 class LlamaCppModel:
     """A GGUF file loaded in llama.cpp, on CPU, keeping the logits of every evaluated position."""
 
-    def __init__(self, path: Path, *, n_ctx: int = 1024, n_threads: int | None = None) -> None:
-        """n_ctx bounds prompt + generated tokens; the logits buffer is n_ctx x vocab floats."""
+    def __init__(
+        self, path: Path, *, n_ctx: int = 1024, n_threads: int | None = None, f32_kv_cache: bool = True
+    ) -> None:
+        """n_ctx bounds prompt + generated tokens; the logits buffer is n_ctx x vocab floats.
+
+        llama.cpp keeps its KV cache in f16 by default, which alone moves an f32 model's logits
+        by ~1e-4 of their range; verification keeps it in f32 so it measures the file."""
         self.path = _check_file(path)
         self.n_ctx = n_ctx
         try:
@@ -54,6 +62,7 @@ class LlamaCppModel:
             n_threads=n_threads,
             n_gpu_layers=0,
             verbose=False,
+            **({"type_k": _GGML_F32, "type_v": _GGML_F32} if f32_kv_cache else {}),  # type: ignore[arg-type]
         )
 
     @property

@@ -27,7 +27,7 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
     if path.is_file():
         return _inspect_file(path)
     info: dict[str, Any] = {"path": str(path)}
-    from lmforge.ckpt.consolidate import find_zero_dir
+    from lmforge.ckpt.zero_checkpoint import find_zero_dir
 
     zero_dir = find_zero_dir(path)
     if zero_dir is not None:
@@ -38,6 +38,10 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
         info.update(_hf_model(path))
     elif (path / ".metadata").is_file() and list(path.glob("*.distcp")):
         info.update(_torch_dcp(path))
+    elif len(ggufs := sorted(path.glob("*.gguf"))) == 1:  # an export directory (with its Modelfile)
+        info.update({"file": ggufs[0].name, **_gguf(ggufs[0])})
+    elif (path / "model.onnx").is_file():
+        info.update(_onnx(path / "model.onnx"))
     else:
         raise UserInputError(
             f"{path}: not a checkpoint lmforge recognises (an HF model directory with config.json and "
@@ -57,7 +61,7 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def _deepspeed_zero(zero_dir: Path) -> dict[str, Any]:
-    from lmforge.ckpt.consolidate import describe_zero
+    from lmforge.ckpt.zero_checkpoint import describe_zero
 
     zero = describe_zero(zero_dir)
     return {
@@ -76,7 +80,7 @@ def _deepspeed_zero(zero_dir: Path) -> dict[str, Any]:
 
 def _torch_dcp(path: Path) -> dict[str, Any]:
     """World size from the rank numbers in the file names the metadata lists; no weights read."""
-    from lmforge.ckpt.consolidate import dcp_world_size, read_dcp_metadata
+    from lmforge.ckpt.dcp_checkpoint import dcp_world_size, read_dcp_metadata
 
     world_size, files = dcp_world_size(read_dcp_metadata(path))
     missing = [name for name in files if not (path / name).is_file()]
@@ -92,14 +96,69 @@ def _inspect_file(path: Path) -> dict[str, Any]:
     if path.suffix == ".safetensors":
         return {"path": str(path), "format": "safetensors", **_tensor_summary([path])}
     if path.suffix == ".gguf":
-        with path.open("rb") as handle:
-            magic = handle.read(4)
-        if magic != b"GGUF":
-            raise UserInputError(f"{path}: a .gguf file without the GGUF magic bytes; the file is damaged")
-        return {"path": str(path), "format": "gguf", "bytes": path.stat().st_size}
+        return {"path": str(path), **_gguf(path)}
     if path.suffix == ".onnx":
-        return {"path": str(path), "format": "onnx", "bytes": path.stat().st_size}
+        return {"path": str(path), **_onnx(path)}
     raise UserInputError(f"{path}: unknown checkpoint file type {path.suffix!r} (.safetensors, .gguf, .onnx)")
+
+
+def _gguf(path: Path) -> dict[str, Any]:
+    """Architecture, weight types, parameters and tokenizer from the GGUF header (tensors stay on disk)."""
+    from gguf import GGUFReader
+
+    with path.open("rb") as handle:
+        if handle.read(4) != b"GGUF":
+            raise UserInputError(f"{path}: a .gguf file without the GGUF magic bytes; the file is damaged")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError) as err:
+        raise UserInputError(f"{path}: unreadable GGUF ({err}); the file is damaged or truncated") from None
+
+    def field(name: str) -> Any:
+        entry = reader.get_field(name)
+        return entry.contents() if entry is not None else None
+
+    return {
+        "format": "gguf",
+        "architecture": field("general.architecture"),
+        "parameters": sum(int(t.n_elements) for t in reader.tensors),
+        "tensors": len(reader.tensors),
+        "dtypes": dict(Counter(t.tensor_type.name for t in reader.tensors)),
+        "context_length": field(f"{field('general.architecture')}.context_length"),
+        "tokenizer": field("tokenizer.ggml.model"),
+        "chat_template": field("tokenizer.chat_template") is not None,
+        "bytes": path.stat().st_size,
+    }
+
+
+def _onnx(path: Path) -> dict[str, Any]:
+    """Graph inputs/outputs, opset, initializer dtypes and parameters, without loading external data."""
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as err:  # onnx raises DecodeError and friends for damaged files
+        raise UserInputError(f"{path}: unreadable ONNX model ({err})") from None
+    inits = model.graph.initializer
+    external = sorted({e.value for i in inits for e in i.external_data if e.key == "location"})
+    return {
+        "format": "onnx",
+        "opset": max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=None),
+        "inputs": [i.name for i in model.graph.input],
+        "outputs": [o.name for o in model.graph.output],
+        "parameters": sum(_numel(i.dims) for i in inits),
+        "dtypes": dict(Counter(onnx.TensorProto.DataType.Name(i.data_type) for i in inits)),
+        "external_data": external,
+        "bytes": path.stat().st_size
+        + sum((path.parent / f).stat().st_size for f in external if (path.parent / f).is_file()),
+    }
+
+
+def _numel(dims: Any) -> int:
+    count = 1
+    for size in dims:
+        count *= int(size)
+    return count
 
 
 def _hf_model(path: Path) -> dict[str, Any]:

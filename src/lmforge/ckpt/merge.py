@@ -70,8 +70,8 @@ def merge_lora(base: Path, adapter: Path, out: Path) -> MergeReport:
 
     Tensors stream one at a time (see safetensors_stream): the ones the adapter leaves alone
     are copied as bytes, the adapted ones merged in fp32 and cast back to their dtype."""
-    check_out_path(out, base, adapter)
     config = _adapter_config(adapter)
+    check_out_path(out, base, adapter)
     updates = _read_updates(adapter, config)
     shards = _base_shards(base)
     tied = _tied_embedding_name(base, shards)

@@ -11,6 +11,8 @@ Two layout facts llama.cpp expects and HF does not:
   (rotate_half), so the rows of q_proj/k_proj are permuted per head. Qwen2 uses llama.cpp's NEOX
   rope type, which is HF's layout: no permutation.
 - Tied embeddings: llama.cpp reuses token_embd for the output when output.weight is absent.
+
+The tokenizer metadata is written by gguf_tokenizer.py, the Modelfile by gguf_modelfile.py.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import gguf
 import numpy as np
 import torch
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from lmforge.ckpt.convert import Conversion
+from lmforge.ckpt.gguf_modelfile import render_modelfile
+from lmforge.ckpt.gguf_tokenizer import add_tokenizer, load_tokenizer
 from lmforge.ckpt.safetensors_stream import INDEX_NAME, Entry, SafetensorsReader
 from lmforge.errors import UserInputError
 
@@ -91,7 +94,7 @@ def convert_to_gguf(source: Path, out: Path, *, dtype: str) -> Conversion:
     config = _read_config(source)
     family = FAMILIES[config["model_type"]]
     shards = _weight_files(source)
-    tokenizer = _load_tokenizer(source)
+    tokenizer = load_tokenizer(source)
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"model-{dtype}.gguf"
@@ -186,16 +189,6 @@ def _weight_files(source: Path) -> list[Path]:
         f"{source}: no model.safetensors or {INDEX_NAME}. GGUF export reads safetensors weights only; "
         f"for pytorch_model*.bin run `lmforge ckpt convert {source} --to safetensors --allow-bin --out DIR` first."
     )
-
-
-def _load_tokenizer(source: Path) -> PreTrainedTokenizerBase:
-    try:
-        return AutoTokenizer.from_pretrained(str(source), local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise UserInputError(
-            f"{source}: no loadable tokenizer ({err}). A GGUF embeds its tokenizer: save it with "
-            "tokenizer.save_pretrained(DIR) next to the model."
-        ) from None
 
 
 def _rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
@@ -334,213 +327,3 @@ def encode_tensor(tensor: torch.Tensor, planned: PlannedTensor) -> np.ndarray:
         chunk = rows[start : start + _Q8_ROWS_PER_CHUNK].to(torch.float32).numpy()
         out[start : start + _Q8_ROWS_PER_CHUNK] = gguf.quants.quantize(chunk, QType.Q8_0)
     return out
-
-
-# ---- tokenizer ----------------------------------------------------------------------------------
-# A byte-level BPE split by GPT-2's regex (what `train_tokenizer` makes) is llama.cpp's "gpt-2"
-# pre-tokenizer; a Split regex in front of ByteLevel is named by matching it against the regexes
-# transformers' GGUF reader (which runs these files in CI) associates with llama.cpp's names.
-# A SentencePiece-style vocabulary becomes llama.cpp's SPM tokenizer, which puts the dummy-prefix
-# space before every text segment that follows a special token (Llama 2's "legacy" behaviour);
-# HF's Metaspace(prepend_scheme="first") puts it before the first segment only, and no GGUF key
-# selects that, so chat prompts of such tokenizers tokenize differently in llama.cpp.
-_PRE_TOKENIZER_NAMES = ("llama-bpe", "qwen2")
-_CHATML_END = "<|im_end|>"
-
-
-def add_tokenizer(
-    writer: gguf.GGUFWriter, tokenizer: PreTrainedTokenizerBase, config: dict[str, Any]
-) -> dict[str, Any]:
-    """Embed the tokenizer as llama.cpp reads it; returns facts for the conversion report."""
-    vocab_size = int(config["vocab_size"])
-    spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    model = spec["model"]
-    if model["type"] != "BPE":
-        raise UserInputError(
-            f"tokenizer model {model['type']!r} has no GGUF export here; supported: byte-level BPE "
-            "(GPT-2 style, tokenizer.ggml.model gpt2) and SentencePiece-style BPE with byte fallback (llama)"
-        )
-    vocab = tokenizer.get_vocab()
-    if max(vocab.values()) >= vocab_size:
-        raise UserInputError(
-            f"tokenizer has ids up to {max(vocab.values())} but config.json vocab_size is {vocab_size}: the "
-            "embedding has no row for some tokens. Fix: resize the model's embeddings to the tokenizer "
-            "(model.resize_token_embeddings) and save it again."
-        )
-    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
-    for token, index in vocab.items():
-        tokens[index] = token
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    spm = bool(model.get("byte_fallback"))
-    types = _token_types(tokenizer, tokens, set(vocab.values()), spm)
-    writer.add_tokenizer_model("llama" if spm else "gpt2")
-    if spm:
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(tokens)
-        writer.add_token_scores(_spm_scores(tokens, merges))
-        writer.add_add_space_prefix(_adds_space_prefix(spec))
-    else:
-        writer.add_tokenizer_pre(_pre_tokenizer_name(spec.get("pre_tokenizer")))
-        writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)  # the exact BPE; llama.cpp's SPM path ranks by scores instead
-    _add_special_tokens(writer, tokenizer, config)
-    template = tokenizer.chat_template
-    if isinstance(template, str):
-        writer.add_chat_template(template)
-    return {
-        "tokenizer_model": "llama" if spm else "gpt2",
-        "vocab_size": vocab_size,
-        "merges": len(merges),
-        "chat_template": isinstance(template, str),
-    }
-
-
-def _add_special_tokens(
-    writer: gguf.GGUFWriter, tokenizer: PreTrainedTokenizerBase, config: dict[str, Any]
-) -> None:
-    ids = _special_ids(tokenizer, config)
-    for key, add in (
-        ("bos", writer.add_bos_token_id),
-        ("eos", writer.add_eos_token_id),
-        ("unk", writer.add_unk_token_id),
-        ("pad", writer.add_pad_token_id),
-        ("eot", writer.add_eot_token_id),
-    ):
-        token_id = ids.get(key)
-        if token_id is not None:
-            add(token_id)
-    # Whether encoding adds bos/eos, as the tokenizer's post-processor does it.
-    probe = tokenizer("a")["input_ids"]
-    writer.add_add_bos_token(ids["bos"] is not None and probe[:1] == [ids["bos"]])
-    writer.add_add_eos_token(ids["eos"] is not None and probe[-1:] == [ids["eos"]])
-
-
-def _token_types(
-    tokenizer: PreTrainedTokenizerBase, tokens: list[str], used: set[int], spm: bool
-) -> list[int]:
-    added = tokenizer.added_tokens_decoder
-    types = []
-    for index, token in enumerate(tokens):
-        if spm and index == tokenizer.unk_token_id:
-            kind = gguf.TokenType.UNKNOWN
-        elif index in added:
-            kind = gguf.TokenType.CONTROL if added[index].special else gguf.TokenType.USER_DEFINED
-        elif index not in used:  # embedding rows past the tokenizer: llama.cpp's [PADn] placeholders
-            kind = gguf.TokenType.UNUSED
-        elif spm and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
-            kind = gguf.TokenType.BYTE
-        else:
-            kind = gguf.TokenType.NORMAL
-        types.append(int(kind))
-    return types
-
-
-def _spm_scores(tokens: list[str], merges: list[str]) -> list[float]:
-    """llama.cpp's SentencePiece tokenizer merges the adjacent pair whose joined token scores
-    highest; a BPE merge list says the same with ranks, so a merged token scores -rank."""
-    rank = {merge.replace(" ", ""): -float(i) for i, merge in reversed(list(enumerate(merges)))}
-    return [rank.get(token, 0.0) for token in tokens]
-
-
-def _adds_space_prefix(spec: dict[str, Any]) -> bool:
-    parts = [spec.get("pre_tokenizer") or {}, spec.get("normalizer") or {}]
-    flat: list[dict[str, Any]] = []
-    for part in parts:
-        flat += part.get("pretokenizers") or part.get("normalizers") or [part]
-    return any(
-        (p.get("type") == "Metaspace" and p.get("prepend_scheme", "always") != "never")
-        or (p.get("type") == "Prepend" and p.get("prepend") == "\u2581")
-        for p in flat
-    )
-
-
-def _pre_tokenizer_name(pre: dict[str, Any] | None) -> str:
-    from transformers.integrations.gguf import gguf_tokenizer_mapping
-
-    if (
-        pre
-        and pre.get("type") == "ByteLevel"
-        and pre.get("use_regex", True)
-        and not pre.get("add_prefix_space")
-    ):
-        return "gpt-2"
-    steps = (pre or {}).get("pretokenizers") or []
-    if len(steps) == 2 and steps[0].get("type") == "Split" and steps[1].get("type") == "ByteLevel":
-        regex = steps[0].get("pattern", {}).get("Regex")
-        for name in _PRE_TOKENIZER_NAMES:
-            if regex == gguf_tokenizer_mapping.GGUF_PRE_TOKENIZER_SPLITS[name]:
-                return name
-    raise UserInputError(
-        f"tokenizer pre-tokenizer {json.dumps(pre)[:200]} is not one llama.cpp knows by name; supported: "
-        "ByteLevel with GPT-2's regex (lmforge's own tokenizers), the Llama 3 split, the Qwen2 split"
-    )
-
-
-def _special_ids(tokenizer: PreTrainedTokenizerBase, config: dict[str, Any]) -> dict[str, int | None]:
-    """The tokenizer's special ids; bos/eos fall back to config.json's, as llama.cpp's converter does."""
-    from lmforge.data.chat import END_OF_TURN_TOKENS
-
-    vocab = tokenizer.get_vocab()
-    eot = next((vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and t != tokenizer.eos_token), None)
-    return {
-        "bos": tokenizer.bos_token_id
-        if tokenizer.bos_token_id is not None
-        else _config_id(config, "bos_token_id"),
-        "eos": tokenizer.eos_token_id
-        if tokenizer.eos_token_id is not None
-        else _config_id(config, "eos_token_id"),
-        "unk": tokenizer.unk_token_id,
-        "pad": tokenizer.pad_token_id,
-        "eot": eot,
-    }
-
-
-def _config_id(config: dict[str, Any], key: str) -> int | None:
-    value = config.get(key)
-    if isinstance(value, list):
-        value = value[0] if value else None
-    return value if isinstance(value, int) else None
-
-
-# ---- Ollama Modelfile ---------------------------------------------------------------------------
-# Ollama's Go-template form of ChatML; renders the same text as lmforge's CHATML_TEMPLATE with
-# add_generation_prompt=True.
-OLLAMA_CHATML = "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n"
-_PROBE = [
-    {"role": "system", "content": "S"},
-    {"role": "user", "content": "U1"},
-    {"role": "assistant", "content": "A1"},
-    {"role": "user", "content": "U2"},
-]
-
-
-def is_chatml(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """Whether the tokenizer's chat template renders exactly ChatML (checked by rendering a probe)."""
-    if not isinstance(tokenizer.chat_template, str):
-        return False
-    expected = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in _PROBE)
-    expected += "<|im_start|>assistant\n"
-    try:
-        rendered = tokenizer.apply_chat_template(_PROBE, tokenize=False, add_generation_prompt=True)
-    except Exception:  # noqa: BLE001 - any template error means "not translatable"
-        return False
-    return rendered == expected
-
-
-def render_modelfile(gguf_name: str, tokenizer: PreTrainedTokenizerBase) -> str:
-    """An Ollama Modelfile for the GGUF next to it."""
-    lines = [f"FROM ./{gguf_name}", ""]
-    if is_chatml(tokenizer):
-        lines.append(f'TEMPLATE """{OLLAMA_CHATML}"""')
-    else:
-        lines += [
-            "# The chat template is not ChatML and was not translated to Ollama's Go template syntax;",
-            "# Ollama falls back to the Jinja template embedded in the GGUF (tokenizer.chat_template).",
-        ]
-    vocab = tokenizer.get_vocab()
-    stops = [t for t in (_CHATML_END, "<|eot_id|>", "<|end|>", "<end_of_turn>") if t in vocab]
-    if tokenizer.eos_token and tokenizer.eos_token not in stops:
-        stops.append(tokenizer.eos_token)
-    lines += [""] + [f'PARAMETER stop "{token}"' for token in stops]
-    return "\n".join(lines) + "\n"

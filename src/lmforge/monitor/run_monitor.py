@@ -18,7 +18,7 @@ from lmforge.config.schema import MonitorConfig
 from lmforge.monitor.alerts import AlertSender, alerts_configured
 from lmforge.monitor.events import EventLog
 from lmforge.monitor.prometheus import PrometheusExporter
-from lmforge.monitor.sinks import Sink, open_sinks
+from lmforge.monitor.sinks import Sink, WandbSink, open_sinks
 from lmforge.monitor.system import SystemSampler
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,9 @@ def open_run_monitor(
         return monitor
     try:
         monitor.sinks = open_sinks(cfg, run_dir, run_name, config, resume_step)
+        for sink in monitor.sinks:
+            if isinstance(sink, WandbSink):  # W&B's own alerts, for the same event kinds
+                events.listeners.append(_wandb_alerts(sink, cfg))
         if cfg.prometheus.enabled:
             monitor.exporter = PrometheusExporter(cfg.prometheus, run_name)
             port = monitor.exporter.start()
@@ -92,3 +95,11 @@ def open_run_monitor(
         monitor.close()
         raise
     return monitor
+
+
+def _wandb_alerts(sink: WandbSink, cfg: MonitorConfig) -> Callable[[dict[str, Any]], None]:
+    def alert(event: dict[str, Any]) -> None:
+        if event["kind"] in cfg.alerts.kinds:
+            sink.alert(event, cfg.alerts.window_seconds)
+
+    return alert

@@ -185,6 +185,18 @@ class WandbSink(_StepAxisSink):
     def _write(self, step: int, values: dict[str, float]) -> None:
         self._run.log(values, step=step)
 
+    def alert(self, event: dict[str, Any], window_seconds: float) -> None:
+        """`wandb.alert` for an event (W&B rate-limits by title with wait_duration)."""
+        import wandb
+
+        severe = event["kind"] in ("failed", "stopped", "stall")
+        self._run.alert(
+            title=f"lmforge {event['kind']}",
+            text=f"step {event['step']}: {event['message']}",
+            level=wandb.AlertLevel.ERROR if severe else wandb.AlertLevel.WARN,  # type: ignore[attr-defined]
+            wait_duration=window_seconds,
+        )
+
     def _finish(self) -> None:
         self._run.finish()
 

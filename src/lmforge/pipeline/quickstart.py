@@ -18,6 +18,7 @@ from rich.console import Console
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lmforge.config import LmforgeConfig, load_config
+from lmforge.report import write_report
 
 SAMPLE_PROMPT = "def main():\n    "
 
@@ -214,6 +215,9 @@ def run_quickstart(
         stage(state, console)
         state.timings[name] = round(time.perf_counter() - t0, 1)
     state.timings["total"] = round(time.perf_counter() - started, 1)
+    for name in ("pretrain", "finetune"):  # written at the end of training; again, now complete
+        if name in state.results:
+            state.results[name]["report"] = str(write_report(Path(state.results[name]["run_dir"])))
     summary = {**asdict(state), "out": str(out)}
     (out / "quickstart.json").write_text(json.dumps(summary, indent=2, default=str), encoding="utf-8")
     _print_locations(state, console)
@@ -238,5 +242,8 @@ def _print_locations(state: QuickstartState, console: Console) -> None:
         console.print(
             f"  try it          lmforge generate {finetune / 'final'} --prompt 'Is plum a fruit, an animal, a color or a tool?'"
         )
+    for name in ("pretrain", "finetune"):
+        if "report" in state.results.get(name, {}):
+            console.print(f"{name + ' report':17} {state.results[name]['report']}  (open in a browser)")
     console.print(f"summary           {state.out / 'quickstart.json'}")
     console.print(f"total time        {state.timings['total']:.0f} s")

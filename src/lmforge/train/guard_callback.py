@@ -268,6 +268,7 @@ def train_with_rollbacks(
         callback.guard.guardrails.rewind(latest.path, bad)
         metrics.truncate_after(latest.step)  # the replayed steps are logged again, once
         callback.lr_scale *= lr_scale
+        trainer.args.eval_on_start = False  # step-N's evaluation is already on record
         if trainer.is_world_process_zero():
             callback.events.emit(
                 "rollback",

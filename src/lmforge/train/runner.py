@@ -126,11 +126,14 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
         if trainer.is_world_process_zero():
             kind = "stopped" if isinstance(err, TrainingStopped) else "failed"
             events.emit(kind, trainer.state.global_step, f"{type(err).__name__}: {err}")
+            _write_report(paths.root)
         raise
     finally:
         guard.close()
         monitor.close()
     if guard.signal_stop is not None:  # checkpointed at a step boundary; the same command resumes
+        if trainer.is_world_process_zero():
+            _write_report(paths.root)
         return TrainOutcome(
             paths.root,
             paths.final,
@@ -148,6 +151,7 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
         events.emit(
             "finished", trainer.state.global_step, f"finished after {trainer.state.global_step} steps"
         )
+        _write_report(paths.root)
     records = read_metrics(paths.metrics)
     evals = [r["eval_ppl"] for r in records if "eval_ppl" in r]
     eval_losses = [r["eval_loss"] for r in records if "eval_loss" in r]
@@ -165,6 +169,17 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
         summary=summary,
         export=export,
     )
+
+
+def _write_report(run_dir: Path) -> None:
+    """report.html for whatever state the run ended in; a report never fails the run."""
+    from lmforge.report import write_report
+
+    try:
+        # Checkpoints were hashed when they were sealed; `lmforge report` re-hashes on demand.
+        log.info("report: %s", write_report(run_dir, verify_hashes=False))
+    except Exception as err:
+        log.warning("could not write report.html: %s", err)
 
 
 def _compute_dtype(cfg: LmforgeConfig) -> torch.dtype:

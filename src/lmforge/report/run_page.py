@@ -1,0 +1,289 @@
+"""report.html for one run: summary, curves with event markers, events, data, checkpoints,
+export verdicts and the resolved config."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from lmforge.report.html import (
+    esc,
+    flatten,
+    fmt_duration,
+    fmt_number,
+    fmt_time,
+    key_values,
+    page,
+    status_badge,
+    table,
+    verdict,
+)
+from lmforge.report.load import RunSummary, estimated_step
+from lmforge.report.plots import EVENT_COLORS, PALETTE, Chart, Line, Marker, render_chart, render_histogram
+
+UNMARKED_KINDS = ("finished",)  # the end of the run is the end of the axis
+MEMORY_KEYS = (
+    "rss_gb",
+    "gpu_mem_allocated_gb",
+    "gpu_mem_reserved_gb",
+    "gpu_mem_peak_gb",
+    "sys_gpu_mem_used_gb",
+)
+# (title, metric id, [(metric key, label)]) for the curves section.
+CHARTS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
+    ("Loss", "loss", (("loss", "train loss"), ("eval_loss", "eval loss"))),
+    ("Learning rate", "lr", (("lr", "lr"),)),
+    ("Gradient norm (before clipping)", "grad_norm", (("grad_norm", "grad norm"),)),
+    ("Throughput, tokens/s (non-pad)", "tokens_per_s", (("tokens_per_s", "tokens/s"),)),
+    ("Model FLOPs utilisation", "mfu", (("mfu", "MFU"),)),
+    ("Memory, GB", "memory", tuple((key, key.removesuffix("_gb")) for key in MEMORY_KEYS)),
+    ("Share of wall time waiting for data", "data_wait_share", (("data_wait_share", "data wait"),)),
+)
+SPARSE_KEYS = ("eval_loss", "eval_ppl")
+LINEAR_METRICS = ("mfu", "data_wait_share")
+
+
+def render_run(run: RunSummary) -> str:
+    body = [
+        f"<h1>{esc(run.name)} {status_badge(run.status)}</h1>",
+        f'<p class="missing">{esc(run.root)}</p>',
+        *(f'<p class="fail">{esc(problem)}</p>' for problem in run.problems),
+        "<h2>Summary</h2>",
+        summary_table(run),
+        "<h2>Curves</h2>",
+        curves(run),
+        "<h2>Events</h2>",
+        events_table(run),
+        "<h2>Data</h2>",
+        data_section(run.data_report),
+        "<h2>Checkpoints</h2>",
+        checkpoints_section(run),
+        "<h2>Export</h2>",
+        export_section(run.export),
+        "<h2>Resolved config</h2>",
+        f'<pre class="config">{esc(run.config_text) or "(no config.yaml)"}</pre>',
+        "<h2>Environment</h2>",
+        environment_section(run.manifest),
+    ]
+    return page(f"lmforge report: {run.name}", body)
+
+
+def summary_table(run: RunSummary) -> str:
+    cfg = run.config
+    model, train, data = (_section(cfg, k) for k in ("model", "train", "data"))
+    sources = [str(s.get("path") or s.get("dataset")) for s in data.get("train") or [] if isinstance(s, dict)]
+    loss, eval_loss = run.last_finite("loss"), run.last_finite("eval_loss")
+    best = run.best_eval()
+    throughput = run.series.get("tokens_per_s")
+    events = Counter(str(e.get("kind")) for e in run.events)
+    rows: list[tuple[str, Any]] = [
+        ("status", status_badge(run.status)),
+        ("model", _model_line(model)),
+        ("stage / method", f"{train.get('stage', '?')} / {train.get('method', '?')}"),
+        ("data", ", ".join(sources) or "?"),
+        ("strategy", _strategy_line(cfg, run.manifest)),
+        ("started", fmt_time(run.started)),
+        ("duration", fmt_duration(run.duration_s)),
+        ("steps", f"{run.last_step if run.last_step is not None else 0} of {train.get('max_steps', '?')}"),
+        ("final train loss", f"{fmt_number(loss[1])} (step {loss[0]})" if loss else "not recorded"),
+        ("final eval loss", f"{fmt_number(eval_loss[1])} (step {eval_loss[0]})" if eval_loss else "no eval"),
+        ("best eval", f"{best[0]} {fmt_number(best[1])} (step {best[2]})" if best else "no eval"),
+        ("tokens seen", fmt_number(_last_value(run, "tokens_seen"))),
+        ("median tokens/s", fmt_number(_median(throughput.finite()) if throughput else None)),
+        ("events", ", ".join(f"{kind} {n}" for kind, n in sorted(events.items())) or "none"),
+        ("final model", str(run.root / "final") if run.has_final else "none"),
+    ]
+    return key_values(rows)
+
+
+def curves(run: RunSummary) -> str:
+    markers = [
+        Marker(step, str(e.get("kind")), str(e.get("message", "")))
+        for e in run.events
+        if e.get("kind") not in UNMARKED_KINDS
+        and (step := estimated_step(e, run.events, run.last_step)) is not None
+    ]
+    charts = []
+    for title, metric, keys in CHARTS:
+        lines = [
+            Line(label, run.series[key].steps, run.series[key].values, PALETTE[i], dots=key in SPARSE_KEYS)
+            for i, (key, label) in enumerate(keys)
+            if key in run.series
+        ]
+        log_ok = metric not in LINEAR_METRICS
+        charts.append(render_chart(Chart(title, metric, lines, markers, log_ok=log_ok)))
+    return _event_key(markers) + '<div class="charts">' + "".join(charts) + "</div>"
+
+
+def events_table(run: RunSummary) -> str:
+    if not run.events:
+        return '<p class="missing">no events (events/events.jsonl is empty or absent)</p>'
+    rows = []
+    for event in run.events:
+        step = event.get("step")
+        shown = (
+            step
+            if isinstance(step, int) and step >= 0
+            else f"~{estimated_step(event, run.events, run.last_step)}"
+        )
+        extra = {k: v for k, v in event.items() if k not in ("time", "step", "kind", "message")}
+        rows.append(
+            [
+                fmt_time(event.get("time") if isinstance(event.get("time"), int | float) else None),
+                shown,
+                event.get("kind", ""),
+                event.get("message", ""),
+                ", ".join(f"{k}={v}" for k, v in extra.items()),
+            ]
+        )
+    return table(["time", "step", "kind", "message", "details"], rows, css="events")
+
+
+def data_section(report: dict[str, Any] | None) -> str:
+    if report is None:
+        return '<p class="missing">no data_report.json</p>'
+    parts = ["<h3>Kept and dropped</h3>", table(["what", "count"], _kept_dropped(report))]
+    for split in ("train", "eval"):
+        info = report.get(split)
+        if not isinstance(info, dict):
+            continue
+        packing = info.get("packing")
+        if isinstance(packing, dict) and "efficiency" in packing:
+            parts.append(
+                f"<p>{split} packing efficiency: <b>{esc(fmt_number(packing['efficiency']))}</b> "
+                f"({esc(packing.get('rows', '?'))} rows for {esc(packing.get('samples', '?'))} samples)</p>"
+            )
+        histogram = info.get("length_histogram")
+        if isinstance(histogram, dict):
+            parts.append(
+                render_histogram(
+                    f"{split} sample lengths",
+                    f"length_histogram_{split}",
+                    list(histogram.get("edges") or []),
+                    list(histogram.get("counts") or []),
+                )
+            )
+        lengths = {k: v for k, v in info.items() if "length" in k or "tokens_p" in k or k.endswith("_max")}
+        if lengths and not isinstance(histogram, dict):
+            parts.append(
+                f"<p>{split} lengths: {esc(', '.join(f'{k} {fmt_number(v)}' for k, v in lengths.items()))} "
+                '<span class="missing">(no length histogram recorded)</span></p>'
+            )
+    flat = flatten({k: v for k, v in report.items() if k != "fingerprint"})
+    parts.append("<details><summary>full data report</summary>" + key_values(flat.items()) + "</details>")
+    return "".join(parts)
+
+
+def checkpoints_section(run: RunSummary) -> str:
+    if not run.checkpoints:
+        return '<p class="missing">no checkpoints/step-N directories</p>'
+    best_step = run.best.get("step") if run.best else None
+    rows = []
+    for status in run.checkpoints:
+        rows.append(
+            [
+                status.step,
+                str(status.path.name),
+                verdict(status.complete),
+                status.problem or "marker, manifest and every file's sha256 verified",
+                "best" if status.step == best_step else "",
+            ]
+        )
+    return table(["step", "directory", "complete", "verification", ""], rows, css="checkpoints")
+
+
+def export_section(export: dict[str, Any] | None) -> str:
+    if not export:
+        return '<p class="missing">no export (export/export.json absent: export.formats was empty)</p>'
+    rows = []
+    for fmt, artifact in (export.get("artifacts") or {}).items():
+        check = artifact.get("verification") or {}
+        parity = check.get("parity") or {}
+        rows.append(
+            [
+                fmt,
+                artifact.get("dtype", ""),
+                verdict(check.get("passed") if check else None),
+                check.get("runtime", ""),
+                (check.get("integrity") or {}).get("status", ""),
+                parity.get("top1_agreement"),
+                parity.get("logits_max_abs_diff"),
+                parity.get("ppl_artifact"),
+                parity.get("ppl_reference"),
+                parity.get("greedy_prefix"),
+                "; ".join(check.get("failures") or []) or parity.get("skipped", ""),
+                artifact.get("dir", ""),
+            ]
+        )
+    headers = ["format", "dtype", "verdict", "runtime", "integrity", "top-1 agreement", "max |logit diff|"]
+    headers += ["ppl artifact", "ppl reference", "greedy prefix", "failures / notes", "directory"]
+    return f"<p>reference: {esc(export.get('reference', '?'))}</p>" + table(headers, rows, css="export")
+
+
+def environment_section(manifest: dict[str, Any]) -> str:
+    if not manifest:
+        return '<p class="missing">no manifest.json</p>'
+    return key_values(flatten(manifest).items())
+
+
+def _event_key(markers: list[Marker]) -> str:
+    kinds = sorted({m.kind for m in markers})
+    if not kinds:
+        return '<p class="missing">no guardrail events to mark</p>'
+    keys = "".join(
+        f'<span class="key" style="background:{EVENT_COLORS.get(k, "#333")}"></span>{esc(k)}' for k in kinds
+    )
+    return f"<p>event markers (dashed lines; hover for the message):{keys}</p>"
+
+
+def _kept_dropped(report: dict[str, Any]) -> list[list[Any]]:
+    rows: list[list[Any]] = []
+    counts = _section(report, "rows")
+    for key in ("rows_read", "rows_kept", "rows_bad"):
+        if key in counts:
+            rows.append([key.replace("_", " "), counts[key]])
+    for reason, n in (counts.get("bad_by_reason") or {}).items():
+        rows.append([f"bad row: {reason}", n])
+    for reason, n in (report.get("dropped") or {}).items():
+        rows.append([f"dropped: {reason}", n])
+    train = _section(report, "train")
+    for key in ("documents", "samples", "rows", "tokens", "blocks", "empty_documents_skipped"):
+        if isinstance(train.get(key), int):
+            rows.append([f"train {key.replace('_', ' ')}", train[key]])
+    if isinstance(train.get("remainder_tokens_dropped"), int):
+        rows.append(["dropped: remainder tokens (partial last block)", train["remainder_tokens_dropped"]])
+    for key in ("train_blocks", "eval_blocks", "exact_duplicates_in_train", "eval_samples_also_in_train"):
+        if isinstance(report.get(key), int):
+            rows.append([key.replace("_", " "), report[key]])
+    return rows
+
+
+def _section(data: dict[str, Any], key: str) -> dict[str, Any]:
+    value = data.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _model_line(model: dict[str, Any]) -> str:
+    what = model.get("path") or model.get("preset") or "?"
+    return f"{what} ({model.get('dtype', '?')}, attention {model.get('attn_implementation', '?')})"
+
+
+def _strategy_line(cfg: dict[str, Any], manifest: dict[str, Any]) -> str:
+    dist = _section(cfg, "distributed")
+    hardware = manifest.get("hardware") or {}
+    devices = ", ".join(hardware.get("gpus") or []) or f"CPU ({hardware.get('cpu_count', '?')} cores)"
+    strategy = dist.get("strategy") or "single process"
+    if dist.get("zero_stage") is not None:
+        strategy += f", ZeRO-{dist['zero_stage']}"
+    return f"{strategy} on {devices}"
+
+
+def _last_value(run: RunSummary, key: str) -> float | None:
+    last = run.last_finite(key)
+    return last[1] if last else None
+
+
+def _median(values: np.ndarray) -> float | None:
+    return float(np.median(values)) if len(values) else None
