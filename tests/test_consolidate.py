@@ -32,6 +32,7 @@ from tests.conftest import ROOT, SMALL_ARCH, run_cli
 
 SCRIPTS = ROOT / "tests" / "dist_scripts"
 RUNS = {  # name: (script, extra args, tied embeddings)
+    "zero1": ("write_zero_checkpoint.py", ["1"], False),
     "zero2": ("write_zero_checkpoint.py", ["2"], True),
     "zero3": ("write_zero_checkpoint.py", ["3"], False),
     "fsdp": ("write_fsdp_checkpoint.py", [], True),
@@ -58,7 +59,7 @@ def _save_base(out: Path, tied: bool) -> Path:
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The three training runs, started together (each is mostly process start-up) and awaited."""
+    """The four training runs, started together (each is mostly process start-up) and awaited."""
     root = tmp_path_factory.mktemp("consolidate")
     bases = {tied: _save_base(root / f"base-{'tied' if tied else 'untied'}", tied) for tied in (True, False)}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -100,7 +101,7 @@ def logits_of(model_dir: Path) -> torch.Tensor:
         return model(inputs).logits
 
 
-@pytest.mark.parametrize(("name", "stage"), [("zero2", 2), ("zero3", 3)])
+@pytest.mark.parametrize(("name", "stage"), [("zero1", 1), ("zero2", 2), ("zero3", 3)])
 def test_zero_equals_deepspeed_zero_to_fp32(
     runs: dict[str, Path], tmp_path: Path, name: str, stage: int
 ) -> None:
@@ -209,7 +210,7 @@ def test_missing_rank_file_is_refused(runs: dict[str, Path], tmp_path: Path) -> 
 
 
 def test_inspect_reports_stage_and_world_size(runs: dict[str, Path]) -> None:
-    for name, stage in (("zero2", 2), ("zero3", 3)):
+    for name, stage in (("zero1", 1), ("zero2", 2), ("zero3", 3)):
         info = inspect_checkpoint(zero_checkpoint(runs, name))
         assert info["format"] == "deepspeed-zero" and info["complete"] is True
         assert (info["zero_stage"], info["world_size"], info["global_step"]) == (stage, 2, 3)

@@ -323,3 +323,20 @@ def test_llama_cpp_runtime_missing_says_how_to_install(
         LlamaCppModel(tmp_path / "model-q8_0.gguf")
     with pytest.raises(UserInputError, match="not a .gguf file"):
         LlamaCppModel(tmp_path / "Modelfile")
+
+
+def test_q8_0_quantization_is_bit_exact_with_gguf_py() -> None:
+    """lmforge quantizes in torch; the bytes must equal gguf.quants' reference implementation."""
+    import gguf
+    import numpy as np
+
+    from lmforge.ckpt.to_gguf import quantize_q8_0
+
+    torch.manual_seed(0)
+    rows = torch.randn(300, 96) * torch.logspace(-3, 2, 300).unsqueeze(1)
+    rows[0] = 0.0  # an all-zero block: scale 0
+    rows[1, :32] = torch.arange(32) * 127 / 62.0  # values landing exactly on .5 after scaling
+    ours = quantize_q8_0(rows)
+    reference = gguf.quants.quantize(rows.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    assert ours.dtype == reference.dtype == np.uint8 and ours.shape == reference.shape
+    assert np.array_equal(ours, reference)

@@ -346,8 +346,22 @@ def test_report_of_a_real_run_with_a_nan_drill(nan_drill_run: Path) -> None:
     for section in SECTIONS:
         assert f"<h2>{section}</h2>" in page
     assert 'data-kind="nonfinite" data-step="7"' in page and 'data-kind="rollback" data-step="7"' in page
+    assert 'data-metric="length_histogram_train"' in page  # the data stage records document lengths
     assert "step 7: train loss = nan" in page
     run = load_run(nan_drill_run)
     assert run.status == "finished" and run.last_step == 12
     assert "eval_loss" in run.series and all(c.complete for c in run.checkpoints)
     assert page.count('<span class="pass">PASS</span>') >= len(run.checkpoints) >= 1
+
+
+def test_length_histogram_bins_are_powers_of_two() -> None:
+    from lmforge.data.stats import LengthHistogram, length_histogram
+
+    assert length_histogram(np.array([1, 2, 3, 4, 7, 8, 100])) == {
+        "edges": [1, 2, 4, 8, 16, 32, 64, 128],
+        "counts": [1, 2, 2, 1, 0, 0, 1],
+    }
+    streamed = LengthHistogram()
+    for part in ([1, 2, 3], [4, 7], [8, 100]):
+        streamed.add(np.array(part))
+    assert streamed.to_json() == length_histogram(np.array([1, 2, 3, 4, 7, 8, 100]))

@@ -60,12 +60,16 @@ def check_out_path(out: Path, *inputs: Path) -> None:
             )
 
 
-def commit_checkpoint(staging: Path, final: Path, *, step: int) -> Path:
-    """Seal `staging` (manifest, then marker) and rename it to `final` in one atomic step."""
+def commit_checkpoint(staging: Path, final: Path, *, step: int, durable: bool = True) -> Path:
+    """Seal `staging` (manifest, then marker) and rename it to `final` in one atomic step.
+
+    `durable` fsyncs every file before the rename, so a power cut cannot leave a renamed
+    directory with unwritten data: what a resume needs. Exports skip it (they are rebuilt from
+    final/ in seconds, and their hash manifest still exposes any damage to `ckpt verify`)."""
     write_hash_manifest(staging, step=step)
     manifest_hash = sha256_file(staging / MANIFEST_NAME)
     _write_synced(staging / MARKER_NAME, json.dumps({"step": step, "manifest_sha256": manifest_hash}))
-    for path in staging.rglob("*"):
+    for path in staging.rglob("*") if durable else ():
         if path.is_file():
             _fsync_path(path)
     final.parent.mkdir(parents=True, exist_ok=True)

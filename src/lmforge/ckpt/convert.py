@@ -54,7 +54,7 @@ def convert(
         result = _convert(source, to, staging, dtype, max_shard_size, allow_bin)
         record = {"source": str(source.resolve()), "format": to, "dtype": dtype, "details": result.details}
         (staging / EXPORT_RECORD).write_text(json.dumps(record, indent=2, default=str))
-        commit_checkpoint(staging, out, step=0)
+        commit_checkpoint(staging, out, step=0, durable=False)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

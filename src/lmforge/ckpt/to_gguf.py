@@ -319,11 +319,21 @@ def encode_tensor(tensor: torch.Tensor, planned: PlannedTensor) -> np.ndarray:
         return tensor.to(torch.float16).contiguous().numpy()
     if planned.qtype == QType.BF16:
         return tensor.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint8)
-    rows = tensor.reshape(-1, tensor.shape[-1])
+    return quantize_q8_0(tensor.reshape(-1, tensor.shape[-1]))
+
+
+def quantize_q8_0(rows: torch.Tensor) -> np.ndarray:
+    """ggml's Q8_0, bit for bit as gguf.quants (and ggml-quants.c) compute it: per block of 32
+    weights an f16 scale max|x|/127 and int8 values round-half-away-from-zero(x / scale).
+    In torch rather than numpy: the element-wise work runs on every core."""
     block, type_size = gguf.GGML_QUANT_SIZES[QType.Q8_0]
     out = np.empty((rows.shape[0], rows.shape[1] // block * type_size), dtype=np.uint8)
-
     for start in range(0, rows.shape[0], _Q8_ROWS_PER_CHUNK):
-        chunk = rows[start : start + _Q8_ROWS_PER_CHUNK].to(torch.float32).numpy()
-        out[start : start + _Q8_ROWS_PER_CHUNK] = gguf.quants.quantize(chunk, QType.Q8_0)
+        blocks = rows[start : start + _Q8_ROWS_PER_CHUNK].to(torch.float32).reshape(-1, block)
+        scale = blocks.abs().amax(dim=1, keepdim=True) / 127
+        inverse = torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
+        scaled = blocks * inverse
+        values = (torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)).to(torch.int8)
+        packed = torch.cat([scale.to(torch.float16).view(torch.uint8), values.view(torch.uint8)], dim=1)
+        out[start : start + _Q8_ROWS_PER_CHUNK] = packed.reshape(-1, out.shape[1]).numpy()
     return out

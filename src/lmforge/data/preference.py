@@ -37,6 +37,7 @@ from lmforge.data.chat import (
 from lmforge.data.examples import Conversation, Example, LabeledConversation, Message, PreferencePair
 from lmforge.data.formats import valid_examples
 from lmforge.data.sft import sft_fingerprint
+from lmforge.data.stats import length_histogram
 from lmforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -259,6 +260,10 @@ def _split_report(rows: list[_Row]) -> dict[str, Any]:
         "answer_tokens_p50": float(np.percentile(answers, 50)),
         "answer_tokens_p90": float(np.percentile(answers, 90)),
         "answer_tokens_max": int(answers.max()),
+        # What the model runs: the prompt followed by each answer.
+        "length_histogram": length_histogram(
+            np.array([r.prompt_tokens + n for r in rows for n in r.answer_tokens])
+        ),
     }
     labels = [r.label for r in rows if r.label is not None]
     if labels:

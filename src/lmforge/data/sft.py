@@ -39,6 +39,7 @@ from lmforge.data.examples import Conversation
 from lmforge.data.formats import valid_examples
 from lmforge.data.packing import best_fit_pack, packing_stats
 from lmforge.data.sources import sources_fingerprint
+from lmforge.data.stats import length_histogram
 from lmforge.data.tokenizer import tokenizer_fingerprint
 from lmforge.errors import UserInputError
 
@@ -378,6 +379,7 @@ def _split_report(samples: RaggedSamples, capacity: int) -> dict[str, Any]:
         "length_p50": float(np.percentile(lengths, 50)) if len(lengths) else 0,
         "length_p90": float(np.percentile(lengths, 90)) if len(lengths) else 0,
         "length_max": int(lengths.max()) if len(lengths) else 0,
+        "length_histogram": length_histogram(lengths),
         "packing": packing_stats(bins, lengths, capacity),
         "padded_to_longest_pad_fraction": _pad_fraction_padded(lengths),
     }

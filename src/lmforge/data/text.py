@@ -32,6 +32,7 @@ from transformers import PreTrainedTokenizerBase
 from lmforge.config.schema import DataConfig, SourceConfig
 from lmforge.data.cache import build_atomically
 from lmforge.data.sources import SourceStats, iter_documents, sources_fingerprint
+from lmforge.data.stats import LengthHistogram
 from lmforge.data.tokenizer import BatchEncoder, batch_encoder, encode_documents, tokenizer_fingerprint
 from lmforge.errors import UserInputError
 
@@ -171,12 +172,14 @@ class _Packer:
         stats = [SourceStats(source.path) for source in sources]
         tokens = [0] * len(sources)
         batches = _document_batches(sources, stats)
+        histogram = LengthHistogram()
         with out.open("wb") as handle, tqdm(desc=f"tokenize {split}", unit="tok", unit_scale=True) as bar:
             _write_header(handle, 0, self.block_length)  # rows set when the stream ends
             for index, flat, lengths in self._encoded(batches):
                 with _timed(self.timings, "pack_s"):
                     join_with_eos(flat, lengths, self.eos_id).tofile(handle)
                 tokens[index] += int(flat.size)
+                histogram.add(lengths)
                 bar.update(flat.size + len(lengths))
                 bar.set_postfix(docs=sum(s.documents for s in stats), refresh=False)
         documents = sum(s.documents for s in stats)
@@ -196,6 +199,7 @@ class _Packer:
             "eos_tokens": documents,
             "blocks": stream // self.block_length,
             "remainder_tokens_dropped": stream % self.block_length,
+            "length_histogram": histogram.to_json(),  # document lengths in tokens
         }
 
     def _encoded(

@@ -109,31 +109,20 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
     for callback in extra_callbacks or []:
         trainer.add_callback(callback)
     shutil.rmtree(paths.staging, ignore_errors=True)  # leftovers of a save interrupted by a crash
+    rank0 = trainer.is_world_process_zero()
     try:
-        train_with_rollbacks(
-            trainer,
-            guard,
-            metrics,
-            paths.checkpoints,
-            str(resume.path) if resume else None,
-            lr_scale=cfg.monitor.guard.rollback_lr_scale,
-        )
-        if guard.stop_reason is not None:
-            raise TrainingStopped(
-                f"{guard.stop_reason}; the last good state is checkpoints/step-{trainer.state.global_step}"
-            )
+        export = _train_and_export(cfg, trainer, guard, tokenizer, metrics, paths, resume)
     except BaseException as err:
-        if trainer.is_world_process_zero():
+        if rank0:
             kind = "stopped" if isinstance(err, TrainingStopped) else "failed"
             events.emit(kind, trainer.state.global_step, f"{type(err).__name__}: {err}")
             _write_report(paths.root)
         raise
     finally:
-        guard.close()
         monitor.close()
+    if rank0:
+        _write_report(paths.root)
     if guard.signal_stop is not None:  # checkpointed at a step boundary; the same command resumes
-        if trainer.is_world_process_zero():
-            _write_report(paths.root)
         return TrainOutcome(
             paths.root,
             paths.final,
@@ -142,16 +131,6 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
             parameters,
             interrupted_by=guard.signal_stop,
         )
-
-    _save_final(trainer, tokenizer, paths.final, merge_lora=cfg.export.merge_lora)
-    export = None
-    if cfg.export.formats and trainer.is_world_process_zero():
-        export = run_export(cfg.export, paths.final, paths.export)
-    if trainer.is_world_process_zero():
-        events.emit(
-            "finished", trainer.state.global_step, f"finished after {trainer.state.global_step} steps"
-        )
-        _write_report(paths.root)
     records = read_metrics(paths.metrics)
     evals = [r["eval_ppl"] for r in records if "eval_ppl" in r]
     eval_losses = [r["eval_loss"] for r in records if "eval_loss" in r]
@@ -169,6 +148,44 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
         summary=summary,
         export=export,
     )
+
+
+def _train_and_export(
+    cfg: LmforgeConfig,
+    trainer: Trainer,
+    guard: GuardCallback,
+    tokenizer: PreTrainedTokenizerBase,
+    metrics: MetricsLog,
+    paths: RunPaths,
+    resume: CheckpointStatus | None,
+) -> ExportOutcome | None:
+    """Train (rolling back as the guardrails ask), then write final/ and the exports.
+
+    Raises TrainingStopped when the guardrails stop the run; returns early, with nothing
+    written, when a signal stopped it at a checkpoint."""
+    try:
+        train_with_rollbacks(
+            trainer,
+            guard,
+            metrics,
+            paths.checkpoints,
+            str(resume.path) if resume else None,
+            lr_scale=cfg.monitor.guard.rollback_lr_scale,
+        )
+    finally:
+        guard.close()
+    step = trainer.state.global_step
+    if guard.stop_reason is not None:
+        raise TrainingStopped(f"{guard.stop_reason}; the last good state is checkpoints/step-{step}")
+    if guard.signal_stop is not None:
+        return None
+    _save_final(trainer, tokenizer, paths.final, merge_lora=cfg.export.merge_lora)
+    export = None
+    if cfg.export.formats and trainer.is_world_process_zero():
+        export = run_export(cfg.export, paths.final, paths.export)
+    if trainer.is_world_process_zero():
+        guard.events.emit("finished", step, f"finished after {step} steps")
+    return export
 
 
 def _write_report(run_dir: Path) -> None:
