@@ -3,8 +3,9 @@ the source HF model. Not in CI: llama-cpp-python compiles llama.cpp; `make test-
 
 What llama.cpp does differently from the float32 PyTorch reference, and so the tolerances
 (relative: max|diff| / max|logits_src| over all positions of a chat prompt):
-- f32 file: llama.cpp keeps the KV cache in f16 by default and sums in another order -> 1e-3
-  (measured 8e-5 to 1.1e-4 across llama, qwen2, mistral and the SentencePiece llama).
+- f32 file: llama.cpp sums in another order; its default f16 KV cache alone moved logits by
+  8e-5 to 1.1e-4 across llama, qwen2, mistral and the SentencePiece llama, so LlamaCppModel
+  keeps the cache in f32 (about 3e-7) -> 1e-3 leaves room for other builds' kernels.
 - q8_0 file: weights rounded as in the CI test, plus activations quantized to 8 bits for the
   q8_0 dot products -> 3e-2 (measured 7.1e-3 to 7.3e-3).
 Greedy decoding (12 tokens) must give the same ids for f32; for q8_0 the first 3 must agree
@@ -26,8 +27,17 @@ from lmforge.ckpt.convert import convert
 from lmforge.ckpt.gguf_runtime import LlamaCppModel, greedy_decode
 from tests.test_convert_gguf import CHAT, SAMPLES, TEXTS, make_spm_tokenizer, save_model
 
-pytest.importorskip("llama_cpp")
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(autouse=True)
+def _llama_cpp_installed() -> None:
+    """`make test-integration` installs llama-cpp-python; without it these tests fail, not skip."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        pytest.fail("llama-cpp-python is not installed: run `make test-integration`, which installs it")
+
 
 TOLERANCE = {"f32": 1e-3, "q8_0": 3e-2}
 NEW_TOKENS = 12

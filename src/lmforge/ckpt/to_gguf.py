@@ -59,7 +59,7 @@ FAMILIES: dict[str, Family] = {
 }
 # Buffers some checkpoints carry that are not weights.
 _SKIP_SUFFIXES = ("rotary_emb.inv_freq",)
-_Q8_ROWS_PER_CHUNK = 1024  # bounds the float32 scratch of q8_0 quantization
+_Q8_ROWS_PER_CHUNK = 256  # bounds the float32 scratch of q8_0 quantization (a few MB)
 
 
 @dataclass(frozen=True)
