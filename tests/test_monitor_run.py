@@ -111,7 +111,18 @@ def test_run_alerts_exports_and_keeps_secrets_out(
     assert seen[-1]["lmforge_step"] >= 1 and "lmforge_loss" in seen[-1]
     assert any(name.startswith("lmforge_sys_") for name in seen[-1])
 
-    # The same records reached W&B's offline files and MLflow's file store.
+    # The same records, under the same names, reached TensorBoard, W&B's offline files and
+    # MLflow's file store.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(run_dir / "tb"))
+    board.Reload()
+    assert {"loss", "grad_norm", "mfu", "update_ratio", "data_wait_share", "rss_gb"} <= set(
+        board.Tags()["scalars"]
+    )
+    jsonl = {r["step"]: r for r in metrics_of(run_dir)}
+    for event in board.Scalars("mfu"):
+        assert event.value == pytest.approx(jsonl[event.step]["mfu"], rel=1e-6)
     (wandb_log,) = list((run_dir / "wandb").rglob("*.wandb"))
     assert b"lmforge nonfinite" in wandb_log.read_bytes()  # wandb.alert, recorded offline
     from mlflow.tracking import MlflowClient

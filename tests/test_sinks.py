@@ -87,7 +87,7 @@ def _wandb_rows_when_written(run_dir: Path, last_step: int, timeout: float = 20.
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb not installed (lmforge[wandb])")
 def test_wandb_offline_logs_resumes_and_keeps_secrets_out(tmp_path: Path) -> None:
-    cfg = MonitorConfig(loggers=["tensorboard", "wandb"])
+    cfg = MonitorConfig(loggers=["wandb"])
     (sink,) = open_sinks(cfg, tmp_path, "demo", _config(), resume_step=None)
     for record in RECORDS:
         sink.log(record)
@@ -168,7 +168,9 @@ def test_missing_library_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_pa
     with pytest.raises(UserInputError, match=r"monitor.loggers.*wandb.*pip install 'lmforge\[wandb\]'"):
         open_sinks(MonitorConfig(loggers=["mlflow", "wandb"]), tmp_path, "demo", {}, None)
     assert not (tmp_path / "mlruns").exists()  # nothing opened before the check failed
-    assert open_sinks(MonitorConfig(loggers=["tensorboard"]), tmp_path, "demo", {}, None) == []
+    (tensorboard,) = open_sinks(MonitorConfig(loggers=["tensorboard"]), tmp_path, "demo", {}, None)
+    assert tensorboard.name == "tensorboard"
+    tensorboard.close()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("swanlab") is None, reason="swanlab not installed")

@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 STATE_FILE = "sinks.json"
 DEFAULT_PROJECT = "lmforge"
 SINK_LOGGERS = ("wandb", "mlflow", "swanlab")
-_EXTRA = {"wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab"}
-_MODULE = {"wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab"}
+_EXTRA = {"wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab", "tensorboard": "tensorboard"}
+_MODULE = {"wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab", "tensorboard": "tensorboard"}
 
 
 class Sink(Protocol):
@@ -42,10 +42,15 @@ class Sink(Protocol):
 def open_sinks(
     cfg: MonitorConfig, run_dir: Path, run_name: str, config: dict[str, Any], resume_step: int | None
 ) -> list[Sink]:
-    """Open every sink in cfg.loggers but tensorboard; a missing library is a UserInputError."""
+    """Open every sink in cfg.loggers; a missing library is a UserInputError."""
     project = cfg.project or DEFAULT_PROJECT
     safe_config = redact(config)  # the caller redacts too; a second pass costs nothing
-    openers = {"wandb": WandbSink, "mlflow": MlflowSink, "swanlab": SwanlabSink}
+    openers = {
+        "tensorboard": TensorBoardSink,
+        "wandb": WandbSink,
+        "mlflow": MlflowSink,
+        "swanlab": SwanlabSink,
+    }
     names = [name for name in dict.fromkeys(cfg.loggers) if name in openers]
     for name in names:  # every library checked before any run is created
         _require(name)
@@ -148,6 +153,31 @@ class _StepAxisSink:
 
     def _finish(self) -> None:
         raise NotImplementedError
+
+
+class TensorBoardSink(_StepAxisSink):
+    """TensorBoard event files in run_dir/tb, tagged with metrics.jsonl's own key names."""
+
+    name = "tensorboard"
+
+    def __init__(
+        self, run_dir: Path, run_name: str, project: str, config: dict[str, Any], resume_step: int | None
+    ) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        super().__init__(run_dir, resume_step)
+        # purge_step hides what a crashed run logged after its checkpoint, so the TensorBoard
+        # step axis never goes backwards either.
+        purge = resume_step + 1 if resume_step is not None else None
+        self._writer = SummaryWriter(str(run_dir / "tb"), purge_step=purge)
+
+    def _write(self, step: int, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            self._writer.add_scalar(key, value, step)
+        self._writer.flush()
+
+    def _finish(self) -> None:
+        self._writer.close()
 
 
 class WandbSink(_StepAxisSink):

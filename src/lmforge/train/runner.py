@@ -16,9 +16,7 @@ from typing import Any
 
 import torch
 from peft import PeftModel
-from torch.utils.tensorboard import SummaryWriter
 from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments, set_seed
-from transformers.integrations import TensorBoardCallback
 
 from lmforge.ckpt.atomic import CheckpointStatus, check_checkpoint, find_latest_complete
 from lmforge.ckpt.export import ExportOutcome, run_export
@@ -261,11 +259,6 @@ def _build_trainer(
         ),
         _FinalStepCallback(),
     ]
-    if "tensorboard" in cfg.monitor.loggers:
-        # purge_step drops events a crashed run logged after its checkpoint, so the TB
-        # step axis never goes backwards either.
-        writer = SummaryWriter(str(paths.tensorboard), purge_step=resume.step + 1 if resume else None)
-        callbacks.append(TensorBoardCallback(tb_writer=writer))
     if cfg.debug.crash_at_step is not None:
         callbacks.append(CrashDrillCallback(cfg.debug.crash_at_step))
 
