@@ -58,6 +58,7 @@ class GuardCallback(TrainerCallback):
         self.signals = StopSignals()
         self.watchdog: StallWatchdog | None = None
         self._data_bound = False
+        self._step = 0  # the last finished step, for events raised outside a step's callbacks
         self._step_started = 0.0
         self._step_seconds: list[float] = []
         self._rank_stats: dict[str, float] = {}
@@ -124,6 +125,7 @@ class GuardCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         self._beat()
+        self._step = state.global_step
         self._step_seconds.append(time.perf_counter() - self._step_started)
         self._act_on_verdicts(state, control)
         for kind, message in self.guard.notices:
@@ -160,7 +162,7 @@ class GuardCallback(TrainerCallback):
     def _on_stall(self, idle: float, stacks: Path) -> None:
         self.events.emit(
             "stall",
-            -1,
+            self._step + 1,  # the step that is not finishing
             f"no training progress for {idle:.0f} s on rank {self.guard.rank}; every thread's stack is in {stacks}",
             rank=self.guard.rank,
             stacks=str(stacks),
@@ -204,7 +206,7 @@ class GuardCallback(TrainerCallback):
         if share > DATA_BOUND_SHARE and not self._data_bound:
             self.events.emit(
                 "data_bound",
-                -1,
+                self._step,
                 f"{share:.0%} of the wall time went to waiting for batches; raise train.dataloader_workers "
                 "or prepare/pack the data ahead (lmforge prepare)",
                 data_wait_share=share,

@@ -1,0 +1,69 @@
+"""`lmforge estimate`: memory per device of each distributed strategy, and the one to use."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from lmforge.cli.console import console
+from lmforge.errors import UserInputError
+
+
+def estimate(
+    config: Path = typer.Argument(..., help="The run's YAML config."),
+    overrides: list[str] | None = typer.Argument(None, help="Dotted key=value overrides (train.micro_batch_size=4)."),
+    gpus: int = typer.Option(1, "--gpus", help="GPUs per node."),
+    gpu_mem: str = typer.Option("80GB", "--gpu-mem", help="Memory of one GPU, for example 24GB or 80GiB."),
+    nodes: int = typer.Option(1, "--nodes", help="Number of nodes."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of a table."),
+) -> None:
+    """Memory per device for DDP, ZeRO-1/2/3 (with offload) and FSDP, and the cheapest that fits.
+
+    Example: `lmforge estimate examples/sft_chat.yaml train.micro_batch_size=4 --gpus 8 --gpu-mem 80GB`
+    """
+    from lmforge.ckpt.safetensors_stream import parse_size
+    from lmforge.config.load import load_config
+    from lmforge.distributed.estimate import estimate_memory
+
+    try:
+        gpu_mem_bytes = parse_size(gpu_mem)
+        if gpu_mem_bytes <= 0:
+            raise UserInputError(f"--gpu-mem {gpu_mem!r}: must be more than zero")
+        cfg = load_config(config, overrides or [])
+        result = estimate_memory(cfg, gpus=gpus, gpu_mem_bytes=gpu_mem_bytes, nodes=nodes)
+    except UserInputError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+        return
+    shape = result.model
+    table = Table(
+        title=f"{shape.total_params:,} parameters, {gpus} GPU(s) x {nodes} node(s), "
+        f"{_gib(gpu_mem_bytes)} per GPU ({result.headroom:.0%} headroom)"
+    )
+    for column in ("strategy", "model states/GPU", "activations", "logits", "total/GPU", "CPU/node", "fits"):
+        table.add_column(column, justify="left" if column == "strategy" else "right")
+    for row in result.strategies:
+        table.add_row(
+            row.strategy,
+            _gib(row.model_states_gpu),
+            _gib(row.activations),
+            _gib(row.logits),
+            _gib(row.total_gpu),
+            _gib(row.model_states_cpu),
+            "yes" if row.fits else "no",
+        )
+    console.print(table)
+    console.print(
+        f"activations: {_gib(result.activations_no_checkpointing)} without, "
+        f"{_gib(result.activations_checkpointing)} with gradient checkpointing"
+    )
+    console.print(f"recommended: [bold]{result.recommended or 'nothing fits; add GPUs or shrink the batch'}[/]")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"

@@ -1,0 +1,1 @@
+"""Distributed training: strategies, launch and the memory estimator."""

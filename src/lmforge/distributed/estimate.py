@@ -1,0 +1,220 @@
+"""Per-device memory of a training job under each distributed strategy.
+
+Model states follow DeepSpeed's own estimators (`estimate_zero2_model_states_mem_needs`,
+`estimate_zero3_model_states_mem_needs`) so the numbers agree with what DeepSpeed users
+already trust. Per parameter, under mixed precision (bf16/fp16), DeepSpeed counts
+2 bytes of 16-bit weights + 18 bytes of "optimizer-side" state: 2 16-bit grads, 4 fp32
+grads, 4 fp32 master weights and 8 of AdamW moments. In fp32 there is no 16-bit copy and
+no master: 4 weights + 4 grads + 8 moments, of which 12 are optimizer-side.
+CPU figures use DeepSpeed's `additional_buffer_factor` of 1.5 (pinned buffers and copies).
+
+Activations per transformer layer follow Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", eq. 2): s*b*h*(34 + 5*a*s/h) bytes in 16-bit.
+The 5*a*s/h term is the stored attention-score matrix; with sdpa/flash attention it is not
+stored, so those backends use s*b*h*34. fp32 training doubles it. With gradient
+checkpointing only each layer's 16-bit input (2*s*b*h bytes) is kept, plus one layer
+recomputed in full during backward. The logits term is b*s*V*(weight bytes) for the logits,
+b*s*V*4 for the fp32 upcast the HF loss makes (none when already fp32), and b*s*V*4 for the
+log-softmax the cross entropy saves for backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from lmforge.config.schema import LmforgeConfig
+from lmforge.errors import UserInputError
+from lmforge.models.build import architecture_kwargs
+from lmforge.models.presets import POSITION_KEYS
+
+# DeepSpeed's default additional_buffer_factor for CPU memory.
+CPU_BUFFER_FACTOR = 1.5
+# Fraction of device memory a plan may use; the rest is left for the CUDA context,
+# allocator fragmentation and temporaries the formulas do not count.
+HEADROOM = 0.10
+# Cheapest first: less sharding means less communication.
+STRATEGY_ORDER = (
+    "ddp",
+    "zero1",
+    "zero2",
+    "fsdp",
+    "zero3",
+    "zero3+offload_optimizer",
+    "zero3+offload_params",
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory formulas need to know about the model."""
+
+    total_params: int
+    largest_layer_params: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class StrategyMemory:
+    """Bytes per device (GPU) and per node (CPU) for one strategy."""
+
+    strategy: str
+    model_states_gpu: int
+    model_states_cpu: int
+    activations: int
+    logits: int
+    total_gpu: int
+    fits: bool | None
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Every strategy's memory and the recommended one (None when nothing fits or no budget)."""
+
+    model: ModelShape
+    gpus_per_node: int
+    nodes: int
+    gpu_mem_bytes: int | None
+    headroom: float
+    mixed_precision: bool
+    micro_batch_size: int
+    seq_len: int
+    gradient_checkpointing: bool
+    activations_no_checkpointing: int
+    activations_checkpointing: int
+    strategies: list[StrategyMemory]
+    recommended: str | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def model_shape(config: LmforgeConfig) -> ModelShape:
+    """Parameter counts from the model config, built on the meta device (no weights allocated)."""
+    hf_config = _hf_config(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=config.model.trust_remote_code)
+    total = sum(p.numel() for p in model.parameters())  # parameters() dedups tied weights
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return ModelShape(
+        total_params=total,
+        largest_layer_params=largest,
+        hidden_size=int(hf_config.hidden_size),
+        num_layers=int(hf_config.num_hidden_layers),
+        num_heads=int(hf_config.num_attention_heads),
+        vocab_size=int(hf_config.vocab_size),
+    )
+
+
+def _hf_config(config: LmforgeConfig) -> Any:
+    cfg = config.model
+    if cfg.path:
+        return AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+    kwargs = architecture_kwargs(cfg)
+    model_type = kwargs.pop("model_type")
+    if "vocab_size" not in (cfg.config or {}):
+        kwargs["vocab_size"] = _vocab_size(config)
+    for key in POSITION_KEYS:  # as build_model: the position table grows to max_length
+        if key in kwargs:
+            kwargs[key] = max(kwargs[key], config.data.max_length)
+    try:
+        return AutoConfig.for_model(model_type, **kwargs)
+    except (ValueError, TypeError) as err:
+        raise UserInputError(f"model.config: transformers cannot build a {model_type!r} config: {err}") from None
+
+
+def _vocab_size(config: LmforgeConfig) -> int:
+    if config.tokenizer.train is not None:
+        return config.tokenizer.train.vocab_size
+    path = config.tokenizer.path or config.model.path
+    return len(AutoTokenizer.from_pretrained(path))
+
+
+def activation_bytes(
+    shape: ModelShape, *, batch: int, seq: int, weight_bytes: int, checkpointing: bool, sdpa: bool
+) -> int:
+    """Saved activations of all layers for one micro-batch (Korthikanti et al. 2022)."""
+    s, b, h, a = seq, batch, shape.hidden_size, shape.num_heads
+    scores = 0.0 if sdpa else 5 * a * s / h
+    per_layer = s * b * h * (34 + scores) * weight_bytes / 2
+    if checkpointing:
+        return int(shape.num_layers * s * b * h * weight_bytes + per_layer)
+    return int(shape.num_layers * per_layer)
+
+
+def logits_bytes(shape: ModelShape, *, batch: int, seq: int, weight_bytes: int) -> int:
+    """Logits, their fp32 upcast for the loss, and the log-softmax saved for backward."""
+    n = batch * seq * shape.vocab_size
+    upcast = 0 if weight_bytes == 4 else 4 * n
+    return n * weight_bytes + upcast + 4 * n
+
+
+def model_states(
+    shape: ModelShape, strategy: str, *, gpus_per_node: int, nodes: int, mixed: bool
+) -> tuple[int, int]:
+    """(GPU bytes per device, CPU bytes per node) of weights, grads and AdamW states."""
+    p, n_gpu = shape.total_params, gpus_per_node * nodes
+    w = 2 if mixed else 4  # bytes of the weights the model computes with
+    optim_side = 18 if mixed else 12  # DeepSpeed's partitionable bytes per parameter
+    largest = 4 * shape.largest_layer_params
+    if strategy == "ddp":
+        return w * p + optim_side * p, int(4 * p * gpus_per_node * CPU_BUFFER_FACTOR)
+    if strategy == "zero1":  # only the fp32 grads/master/moments shard, the 16-bit grads do not
+        return w * p + w * p + (optim_side - w) * p // n_gpu, int(4 * p * gpus_per_node * CPU_BUFFER_FACTOR)
+    if strategy == "zero2":
+        return w * p + optim_side * p // n_gpu, int(4 * p * gpus_per_node * CPU_BUFFER_FACTOR)
+    if strategy in ("zero3", "fsdp"):  # FSDP full shard holds the same states as ZeRO-3
+        return largest + optim_side * p // n_gpu, int(shape.largest_layer_params * 4 * gpus_per_node * CPU_BUFFER_FACTOR)
+    if strategy == "zero3+offload_optimizer":
+        return largest + w * p // n_gpu, int(p * (optim_side - w) / nodes * CPU_BUFFER_FACTOR)
+    if strategy == "zero3+offload_params":
+        return largest, int(p * optim_side / nodes * CPU_BUFFER_FACTOR)
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def estimate_memory(config: LmforgeConfig, *, gpus: int, gpu_mem_bytes: int | None, nodes: int) -> Estimate:
+    """Memory per device of every strategy for `config`, and the cheapest that fits `gpu_mem_bytes`.
+
+    `gpus` is per node. Precision "auto" is taken as bf16 (what it picks on a GPU).
+    """
+    if gpus < 1 or nodes < 1:
+        raise UserInputError(f"--gpus and --nodes must be at least 1 (got gpus={gpus}, nodes={nodes})")
+    shape = model_shape(config)
+    mixed = config.train.precision != "fp32"
+    w = 2 if mixed else 4
+    batch, seq = config.train.micro_batch_size, config.data.max_length
+    sdpa = config.model.attn_implementation != "eager"
+    acts = {
+        ckpt: activation_bytes(shape, batch=batch, seq=seq, weight_bytes=w, checkpointing=ckpt, sdpa=sdpa)
+        for ckpt in (False, True)
+    }
+    activations = acts[config.train.gradient_checkpointing]
+    logits = logits_bytes(shape, batch=batch, seq=seq, weight_bytes=w)
+    budget = None if gpu_mem_bytes is None else gpu_mem_bytes * (1 - HEADROOM)
+    rows = []
+    for name in STRATEGY_ORDER:
+        gpu, cpu = model_states(shape, name, gpus_per_node=gpus, nodes=nodes, mixed=mixed)
+        total = gpu + activations + logits
+        rows.append(StrategyMemory(name, gpu, cpu, activations, logits, total, None if budget is None else total <= budget))
+    recommended = next((r.strategy for r in rows if r.fits), None)
+    return Estimate(
+        model=shape,
+        gpus_per_node=gpus,
+        nodes=nodes,
+        gpu_mem_bytes=gpu_mem_bytes,
+        headroom=HEADROOM,
+        mixed_precision=mixed,
+        micro_batch_size=batch,
+        seq_len=seq,
+        gradient_checkpointing=config.train.gradient_checkpointing,
+        activations_no_checkpointing=acts[False],
+        activations_checkpointing=acts[True],
+        strategies=rows,
+        recommended=recommended,
+    )

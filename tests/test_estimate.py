@@ -1,0 +1,201 @@
+"""The memory estimator against DeepSpeed's own estimators and a measured training step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+from typer.testing import CliRunner
+
+from lmforge.cli.estimate import estimate
+from lmforge.config.load import load_config
+from lmforge.config.schema import LmforgeConfig
+from lmforge.distributed.estimate import (
+    CPU_BUFFER_FACTOR,
+    STRATEGY_ORDER,
+    estimate_memory,
+    model_shape,
+    model_states,
+)
+
+# Llama shapes of the usual sizes (hidden, intermediate, layers, heads, vocab).
+LLAMA_SHAPES = {
+    "125M": (768, 2048, 12, 12, 32000),
+    "1.3B": (2048, 5504, 24, 16, 32000),
+    "7B": (4096, 11008, 32, 32, 32000),
+}
+
+
+def _config(
+    hidden: int = 256,
+    inter: int = 688,
+    layers: int = 4,
+    heads: int = 4,
+    vocab: int = 8192,
+    **train: Any,
+) -> LmforgeConfig:
+    base = {
+        "model": {
+            "config": {
+                "model_type": "llama",
+                "hidden_size": hidden,
+                "intermediate_size": inter,
+                "num_hidden_layers": layers,
+                "num_attention_heads": heads,
+                "num_key_value_heads": heads,
+                "vocab_size": vocab,
+                "tie_word_embeddings": False,
+            }
+        },
+        "tokenizer": {"train": {"vocab_size": vocab}},
+        "data": {"train": [{"path": "builtin:python-stdlib"}], "max_length": train.pop("max_length", 256)},
+        "train": {"micro_batch_size": 4, "precision": "bf16", **train},
+    }
+    return load_config(None, [], base=base)
+
+
+def _close(ours: int, theirs: int) -> bool:
+    return abs(ours - theirs) <= 0.05 * theirs
+
+
+@pytest.mark.parametrize("size", sorted(LLAMA_SHAPES))
+@pytest.mark.parametrize("gpus,nodes", [(1, 1), (2, 1), (8, 1), (8, 2)])
+def test_model_states_match_deepspeed(size: str, gpus: int, nodes: int) -> None:
+    shape = model_shape(_config(*LLAMA_SHAPES[size]))
+    p, largest = shape.total_params, shape.largest_layer_params
+    kw = {"gpus_per_node": gpus, "nodes": nodes, "mixed": True}
+
+    cpu, gpu = estimate_zero2_model_states_mem_needs(p, gpus, nodes, False, CPU_BUFFER_FACTOR)
+    assert all(map(_close, model_states(shape, "zero2", **kw), (gpu, cpu)))
+    cases = {
+        "zero3": (False, False),
+        "zero3+offload_optimizer": (True, False),
+        "zero3+offload_params": (True, True),
+    }
+    for strategy, (offload, offload_params) in cases.items():
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            p, largest, gpus, nodes, offload, offload_params, True, CPU_BUFFER_FACTOR
+        )
+        ours_gpu, ours_cpu = model_states(shape, strategy, **kw)
+        assert _close(ours_gpu, gpu), (strategy, ours_gpu, gpu)
+        assert _close(ours_cpu, cpu), (strategy, ours_cpu, cpu)
+
+
+def test_parameter_count_of_7b_llama() -> None:
+    assert 6.6e9 < model_shape(_config(*LLAMA_SHAPES["7B"])).total_params < 6.8e9
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, resource, sys
+    import psutil, torch
+    from transformers import AutoModelForCausalLM
+    from lmforge.config.load import load_config
+    from lmforge.distributed.estimate import _hf_config
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = load_config(None, [], base=json.loads(sys.argv[1]))
+    hf_config = _hf_config(cfg)
+    b, s = cfg.train.micro_batch_size, cfg.data.max_length
+    ids = torch.randint(0, hf_config.vocab_size, (b, s))
+    baseline = psutil.Process().memory_info().rss
+    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=cfg.model.attn_implementation)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for _ in range(2):  # the second step runs forward/backward with AdamW's states present
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # keep grads allocated, as the estimate counts them
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"growth": peak - baseline}))
+    """
+)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_estimate_matches_measured_cpu_step(attn: str) -> None:
+    base = {
+        "model": {
+            "config": {
+                "model_type": "llama",
+                "hidden_size": 256,
+                "intermediate_size": 688,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "vocab_size": 8192,
+            },
+            "attn_implementation": attn,
+        },
+        "tokenizer": {"train": {"vocab_size": 8192}},
+        "data": {"train": [{"path": "builtin:python-stdlib"}], "max_length": 256},
+        "train": {"micro_batch_size": 4, "precision": "fp32"},
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(base)], capture_output=True, text=True, check=True
+    )
+    measured = json.loads(out.stdout.strip().splitlines()[-1])["growth"]
+    ddp = estimate_memory(load_config(None, [], base=base), gpus=1, gpu_mem_bytes=None, nodes=1).strategies[0]
+    print(f"{attn}: estimate {ddp.total_gpu / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB")
+    assert abs(ddp.total_gpu - measured) <= 0.25 * measured
+
+
+def test_recommends_ddp_for_tiny_and_offload_for_7b_on_two_24gb() -> None:
+    tiny = estimate_memory(_config(), gpus=1, gpu_mem_bytes=24 * 10**9, nodes=1)
+    assert tiny.recommended == "ddp"
+    big = estimate_memory(
+        _config(*LLAMA_SHAPES["7B"], max_length=2048, micro_batch_size=1, gradient_checkpointing=True),
+        gpus=2,
+        gpu_mem_bytes=24 * 10**9,
+        nodes=1,
+    )
+    assert big.recommended is not None and big.recommended.startswith("zero3")
+    assert big.recommended != "zero3"  # 7B x 18 bytes / 2 GPUs is 60 GB: only offload fits
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    app.command("estimate")(estimate)
+    app.command("other")(lambda: None)  # a second command keeps `estimate` a subcommand
+    return app
+
+
+def _write_config(tmp_path: Path) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(
+        "model:\n  preset: llama-tiny\ntokenizer:\n  train:\n    vocab_size: 8192\n"
+        "data:\n  train:\n    - path: builtin:python-stdlib\n  max_length: 256\n"
+    )
+    return path
+
+
+def test_cli_json_lists_every_strategy(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        _app(),
+        ["estimate", str(_write_config(tmp_path)), "train.micro_batch_size=2", "--gpus", "2", "--gpu-mem", "24GB", "--json"],
+    )
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert [row["strategy"] for row in doc["strategies"]] == list(STRATEGY_ORDER)
+    assert doc["recommended"] == "ddp" and doc["micro_batch_size"] == 2 and doc["gpus_per_node"] == 2
+
+
+def test_cli_table(tmp_path: Path) -> None:
+    result = CliRunner().invoke(_app(), ["estimate", str(_write_config(tmp_path))])
+    assert result.exit_code == 0, result.output
+    assert "zero3+offload_params" in result.output and "recommended: ddp" in result.output
+
+
+def test_cli_bad_gpu_mem(tmp_path: Path) -> None:
+    result = CliRunner().invoke(_app(), ["estimate", str(_write_config(tmp_path)), "--gpu-mem", "lots"])
+    assert result.exit_code == 2
+    assert "--gpu-mem" in result.output or "size 'LOTS'" in result.output or "5GB" in result.output
