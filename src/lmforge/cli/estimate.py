@@ -14,7 +14,9 @@ from lmforge.errors import UserInputError
 
 def estimate(
     config: Path = typer.Argument(..., help="The run's YAML config."),
-    overrides: list[str] | None = typer.Argument(None, help="Dotted key=value overrides (train.micro_batch_size=4)."),
+    overrides: list[str] | None = typer.Argument(
+        None, help="Dotted key=value overrides (train.micro_batch_size=4)."
+    ),
     gpus: int = typer.Option(1, "--gpus", help="GPUs per node."),
     gpu_mem: str = typer.Option("80GB", "--gpu-mem", help="Memory of one GPU, for example 24GB or 80GiB."),
     nodes: int = typer.Option(1, "--nodes", help="Number of nodes."),
@@ -29,7 +31,10 @@ def estimate(
     from lmforge.distributed.estimate import estimate_memory
 
     try:
-        gpu_mem_bytes = parse_size(gpu_mem)
+        try:
+            gpu_mem_bytes = parse_size(gpu_mem)
+        except UserInputError as err:
+            raise UserInputError(f"--gpu-mem: {err}") from None
         if gpu_mem_bytes <= 0:
             raise UserInputError(f"--gpu-mem {gpu_mem!r}: must be more than zero")
         cfg = load_config(config, overrides or [])
@@ -62,7 +67,9 @@ def estimate(
         f"activations: {_gib(result.activations_no_checkpointing)} without, "
         f"{_gib(result.activations_checkpointing)} with gradient checkpointing"
     )
-    console.print(f"recommended: [bold]{result.recommended or 'nothing fits; add GPUs or shrink the batch'}[/]")
+    console.print(
+        f"recommended: [bold]{result.recommended or 'nothing fits; add GPUs or shrink the batch'}[/]"
+    )
 
 
 def _gib(n: int) -> str:

@@ -22,6 +22,7 @@ from lmforge.cli.ckpt import ckpt_app, print_export
 from lmforge.cli.ckpt_verify import VERIFY_FAILED
 from lmforge.cli.console import console
 from lmforge.cli.doctor import doctor
+from lmforge.cli.estimate import estimate
 from lmforge.cli.monitor import monitor_app
 from lmforge.cli.report import report, runs_app
 from lmforge.config import dump_config, load_config
@@ -45,6 +46,7 @@ app.add_typer(ckpt_app, name="ckpt")
 app.add_typer(monitor_app, name="monitor")
 app.command("doctor")(doctor)
 app.command("report")(report)
+app.command("estimate")(estimate)
 app.add_typer(runs_app, name="runs")
 OVERRIDES_HELP = "Dotted key=value overrides, for example train.lr=1e-4 data.max_length=512."
 

@@ -8,14 +8,22 @@ grads, 4 fp32 master weights and 8 of AdamW moments. In fp32 there is no 16-bit 
 no master: 4 weights + 4 grads + 8 moments, of which 12 are optimizer-side.
 CPU figures use DeepSpeed's `additional_buffer_factor` of 1.5 (pinned buffers and copies).
 
-Activations per transformer layer follow Korthikanti et al. 2022 ("Reducing Activation
-Recomputation in Large Transformer Models", eq. 2): s*b*h*(34 + 5*a*s/h) bytes in 16-bit.
-The 5*a*s/h term is the stored attention-score matrix; with sdpa/flash attention it is not
-stored, so those backends use s*b*h*34. fp32 training doubles it. With gradient
-checkpointing only each layer's 16-bit input (2*s*b*h bytes) is kept, plus one layer
-recomputed in full during backward. The logits term is b*s*V*(weight bytes) for the logits,
-b*s*V*4 for the fp32 upcast the HF loss makes (none when already fp32), and b*s*V*4 for the
-log-softmax the cross entropy saves for backward.
+Activations per decoder layer: Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models") give s*b*h*(34 + 5*a*s/h) bytes in 16-bit for a
+GPT layer (LayerNorm, 4h GELU MLP). Llama-style layers (RMSNorm, SwiGLU MLP of width I,
+grouped KV of width kv) as HF implements them save, per token, in elements: 2h per RMSNorm
+(input and normalised) x2, the rotated q (h) and k (kv), v (kv), the attention output and
+its contiguous copy for o_proj (2h), and 4I in the MLP (gate, silu(gate), up, their
+product) = 7h + 2kv + 4I, in the compute dtype. We use that count (it reduces to
+Korthikanti's 34 bytes/token/h in 16-bit for h = kv, I = 2.7h, give or take 10%).
+sdpa/flash attention store no score matrix; eager attention adds b*a*s*s scores: softmax
+output, dropout output and mask (2w + 1 bytes), plus the fp32 softmax under mixed precision. With gradient checkpointing only each
+layer's input (h per token) is kept, plus one layer recomputed in full during backward.
+
+The logits term: b*s*V logits in the compute dtype, their fp32 upcast for the loss (none
+when already fp32), the fp32 log-softmax cross entropy saves, and during backward two more
+fp32 b*s*V gradients (of the log-softmax and of the logits) while every activation is still
+alive -- the lm_head's backward runs first, so this is where the step peaks.
 """
 
 from __future__ import annotations
@@ -57,6 +65,8 @@ class ModelShape:
     hidden_size: int
     num_layers: int
     num_heads: int
+    kv_size: int
+    intermediate_size: int
     vocab_size: int
 
 
@@ -108,6 +118,13 @@ def model_shape(config: LmforgeConfig) -> ModelShape:
         hidden_size=int(hf_config.hidden_size),
         num_layers=int(hf_config.num_hidden_layers),
         num_heads=int(hf_config.num_attention_heads),
+        kv_size=int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
+        * int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads),
+        intermediate_size=int(
+            getattr(hf_config, "intermediate_size", None)
+            or getattr(hf_config, "n_inner", None)
+            or 4 * hf_config.hidden_size
+        ),
         vocab_size=int(hf_config.vocab_size),
     )
 
@@ -126,7 +143,9 @@ def _hf_config(config: LmforgeConfig) -> Any:
     try:
         return AutoConfig.for_model(model_type, **kwargs)
     except (ValueError, TypeError) as err:
-        raise UserInputError(f"model.config: transformers cannot build a {model_type!r} config: {err}") from None
+        raise UserInputError(
+            f"model.config: transformers cannot build a {model_type!r} config: {err}"
+        ) from None
 
 
 def _vocab_size(config: LmforgeConfig) -> int:
@@ -139,20 +158,24 @@ def _vocab_size(config: LmforgeConfig) -> int:
 def activation_bytes(
     shape: ModelShape, *, batch: int, seq: int, weight_bytes: int, checkpointing: bool, sdpa: bool
 ) -> int:
-    """Saved activations of all layers for one micro-batch (Korthikanti et al. 2022)."""
-    s, b, h, a = seq, batch, shape.hidden_size, shape.num_heads
-    scores = 0.0 if sdpa else 5 * a * s / h
-    per_layer = s * b * h * (34 + scores) * weight_bytes / 2
+    """Saved activations of all decoder layers for one micro-batch (see the module docstring)."""
+    tokens, h = batch * seq, shape.hidden_size
+    per_layer = tokens * (7 * h + 2 * shape.kv_size + 4 * shape.intermediate_size) * weight_bytes
+    if not sdpa:
+        # softmax output, dropout output and its 1-byte mask (HF runs dropout in training even at
+        # p=0), plus the fp32 softmax kept under mixed precision: Korthikanti's 5 bytes in 16-bit.
+        score_bytes = 2 * weight_bytes + 1 + (0 if weight_bytes == 4 else 4)
+        per_layer += batch * shape.num_heads * seq * seq * score_bytes
     if checkpointing:
-        return int(shape.num_layers * s * b * h * weight_bytes + per_layer)
-    return int(shape.num_layers * per_layer)
+        return shape.num_layers * tokens * h * weight_bytes + per_layer
+    return shape.num_layers * per_layer
 
 
 def logits_bytes(shape: ModelShape, *, batch: int, seq: int, weight_bytes: int) -> int:
-    """Logits, their fp32 upcast for the loss, and the log-softmax saved for backward."""
+    """Logits, their fp32 upcast, the saved log-softmax and the two fp32 gradients of backward."""
     n = batch * seq * shape.vocab_size
     upcast = 0 if weight_bytes == 4 else 4 * n
-    return n * weight_bytes + upcast + 4 * n
+    return n * weight_bytes + upcast + 4 * n + 8 * n
 
 
 def model_states(
@@ -170,7 +193,9 @@ def model_states(
     if strategy == "zero2":
         return w * p + optim_side * p // n_gpu, int(4 * p * gpus_per_node * CPU_BUFFER_FACTOR)
     if strategy in ("zero3", "fsdp"):  # FSDP full shard holds the same states as ZeRO-3
-        return largest + optim_side * p // n_gpu, int(shape.largest_layer_params * 4 * gpus_per_node * CPU_BUFFER_FACTOR)
+        return largest + optim_side * p // n_gpu, int(
+            shape.largest_layer_params * 4 * gpus_per_node * CPU_BUFFER_FACTOR
+        )
     if strategy == "zero3+offload_optimizer":
         return largest + w * p // n_gpu, int(p * (optim_side - w) / nodes * CPU_BUFFER_FACTOR)
     if strategy == "zero3+offload_params":
@@ -201,7 +226,11 @@ def estimate_memory(config: LmforgeConfig, *, gpus: int, gpu_mem_bytes: int | No
     for name in STRATEGY_ORDER:
         gpu, cpu = model_states(shape, name, gpus_per_node=gpus, nodes=nodes, mixed=mixed)
         total = gpu + activations + logits
-        rows.append(StrategyMemory(name, gpu, cpu, activations, logits, total, None if budget is None else total <= budget))
+        rows.append(
+            StrategyMemory(
+                name, gpu, cpu, activations, logits, total, None if budget is None else total <= budget
+            )
+        )
     recommended = next((r.strategy for r in rows if r.fits), None)
     return Estimate(
         model=shape,
