@@ -22,26 +22,14 @@ import torch
 from lmforge.ckpt.dcp_checkpoint import dcp_sources
 from lmforge.ckpt.safetensors_stream import CODES, TensorSpec, parse_size, write_sharded
 from lmforge.ckpt.tensor_source import TensorSource
+from lmforge.ckpt.to_safetensors import FLOAT_DTYPES, SIDE_FILES
 from lmforge.ckpt.zero_checkpoint import find_zero_dir, zero_sources
 from lmforge.ckpt.zero_checkpoint import load_rank_file as load_rank_file  # re-exported for tests
 from lmforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 
-# Files copied next to the weights: the model's config and its tokenizer.
-_SIDE_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # Module wrappers that insert a path segment: torch.compile, FSDP1 and activation checkpointing.
 _WRAPPER_SEGMENTS = {"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
 
@@ -93,15 +81,15 @@ def consolidate(
             "directory (with `latest` and global_stepN/), a DeepSpeed global_stepN directory, or a torch "
             "DCP directory (*.distcp files and .metadata)"
         )
-    _write(picked, out, side, _DTYPES[dtype], max_bytes, report)
+    _write(picked, out, side, FLOAT_DTYPES[dtype], max_bytes, report)
     return report
 
 
 def _check_arguments(path: Path, dtype: str) -> None:
     if not path.exists():
         raise UserInputError(f"{path}: no such file or directory")
-    if dtype not in _DTYPES:
-        raise UserInputError(f"--dtype {dtype!r}: use one of {', '.join(_DTYPES)}")
+    if dtype not in FLOAT_DTYPES:
+        raise UserInputError(f"--dtype {dtype!r}: use one of {', '.join(FLOAT_DTYPES)}")
 
 
 def _check_out(path: Path, out: Path) -> None:
@@ -238,7 +226,7 @@ def _select(
 
 
 def _copy_side_files(side: Path, staging: Path, dtype: torch.dtype) -> bool:
-    for name in _SIDE_FILES:
+    for name in SIDE_FILES:
         if (side / name).is_file():
             shutil.copy2(side / name, staging / name)
     config = json.loads((staging / "config.json").read_text())

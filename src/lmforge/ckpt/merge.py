@@ -21,28 +21,15 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from lmforge.ckpt.atomic import check_out_path
-from lmforge.ckpt.safetensors_stream import SafetensorsReader, write_header, write_tensor
+from lmforge.ckpt.safetensors_stream import INDEX_NAME, SafetensorsReader, write_header, write_tensor
+from lmforge.ckpt.to_safetensors import SIDE_FILES
 from lmforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 _PREFIX = "base_model.model."
-# Files copied next to the merged weights: the base's config and the tokenizer (the adapter's
-# own tokenizer files win, they are the ones training saved).
-_COPIED = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-)
 
 
 @dataclass
@@ -270,7 +257,7 @@ def _copy_side_files(base: Path, adapter: Path, out: Path) -> None:
     """The base's config; the tokenizer from the adapter, else from lmforge's
     final/ around an adapter/ directory, else from the base."""
     tokenizer_homes = [adapter, *([adapter.parent] if adapter.name == "adapter" else []), base]
-    for name in _COPIED:
+    for name in SIDE_FILES:
         homes = [base] if name in ("config.json", "generation_config.json") else tokenizer_homes
         source = next((home / name for home in homes if (home / name).is_file()), None)
         if source is not None:
