@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +40,17 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+# A small vocabulary: tiny models learn it within a few steps, so loss curves move visibly.
+WORDS = "the cat sat on a mat while one dog ran to the big red barn and two birds sang".split()  # noqa: SIM905
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """300 rows of 20-60 random words ({"text": ...} jsonl), the same every time."""
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("corpus") / "text.jsonl"
+    rows = [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60)))} for _ in range(300)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -30,37 +30,6 @@ from lmforge.train.guarded import UPSTREAM_HOOKS
 from lmforge.train.runner import run_training
 from tests.conftest import SMALL_ARCH, run_cli
 
-WORDS = [
-    "the",
-    "cat",
-    "sat",
-    "on",
-    "a",
-    "mat",
-    "while",
-    "one",
-    "dog",
-    "ran",
-    "to",
-    "the",
-    "big",
-    "red",
-    "barn",
-    "and",
-    "two",
-    "birds",
-    "sang",
-]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("corpus") / "text.jsonl"
-    rows = [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60)))} for _ in range(300)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
 
 def config(
     tmp_path: Path,

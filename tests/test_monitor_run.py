@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmforge.monitor.events import read_events
 from tests.test_alerts import TOKEN, Receiver
-from tests.test_guardrails import config, corpus, metrics_of  # noqa: F401  (corpus is a fixture)
+from tests.test_guardrails import config, metrics_of
 
 pytestmark = pytest.mark.slow
 ENV_SECRET = "envsecret-7c1d9e3b55"

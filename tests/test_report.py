@@ -24,7 +24,7 @@ from lmforge.errors import UserInputError
 from lmforge.report import list_runs, load_run, write_comparison, write_report
 from lmforge.report.load import run_status
 from lmforge.report.plots import MAX_BUCKETS, downsample
-from tests.test_guardrails import config, corpus  # noqa: F401  (corpus is a fixture)
+from tests.test_guardrails import config
 
 CONFIG_XSS = "</pre><script>alert('config')</script>"
 EVENT_XSS = '<script>alert("event")</script><img src=x onerror=alert(1)>'

@@ -23,11 +23,13 @@ from lmforge.cli.ckpt_verify import VERIFY_FAILED
 from lmforge.cli.console import console
 from lmforge.cli.doctor import doctor
 from lmforge.cli.estimate import estimate
+from lmforge.cli.launch import launch
 from lmforge.cli.monitor import monitor_app
 from lmforge.cli.report import report, runs_app
 from lmforge.config import dump_config, load_config
 from lmforge.config.load import schema_rows
 from lmforge.config.redact import redact_text
+from lmforge.distributed.launch import record_worker_errors
 from lmforge.errors import GUARD_STOP_EXIT, ExportVerificationFailed, TrainingStopped, UserInputError
 
 app = typer.Typer(
@@ -47,6 +49,7 @@ app.add_typer(monitor_app, name="monitor")
 app.command("doctor")(doctor)
 app.command("report")(report)
 app.command("estimate")(estimate)
+app.command("launch")(launch)
 app.add_typer(runs_app, name="runs")
 OVERRIDES_HELP = "Dotted key=value overrides, for example train.lr=1e-4 data.max_length=512."
 
@@ -77,6 +80,7 @@ def _setup_logging() -> None:
 
 
 @app.command()
+@record_worker_errors  # a failed worker's error reaches `lmforge launch`
 def train(
     config: Path = typer.Argument(..., help="YAML config file."),
     overrides: list[str] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),

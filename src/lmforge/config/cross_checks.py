@@ -133,6 +133,48 @@ RULES: list[Rule] = [
         "with train.best_metric each checkpoint is judged by the evaluation at its own step; "
         "make train.save_every a multiple of train.eval_every",
     ),
+    (
+        lambda c: (
+            c.distributed.deepspeed_config is not None and c.distributed.strategy not in ("auto", "deepspeed")
+        ),
+        "distributed.deepspeed_config",
+        "a DeepSpeed JSON needs distributed.strategy: deepspeed (or auto); remove one of the two",
+    ),
+    (
+        lambda c: c.distributed.offload != "none" and c.distributed.strategy in ("none", "ddp"),
+        "distributed.offload",
+        "offload needs a sharding strategy: set distributed.strategy: deepspeed (ZeRO-2/3) or fsdp "
+        "(offload: optimizer+params)",
+    ),
+    (
+        lambda c: (
+            c.distributed.offload == "optimizer+params"
+            and c.distributed.strategy == "deepspeed"
+            and c.distributed.zero_stage != 3
+        ),
+        "distributed.offload",
+        "only ZeRO-3 partitions (and so offloads) parameters; set distributed.zero_stage: 3, or offload: optimizer",
+    ),
+    (
+        lambda c: (
+            c.distributed.offload == "optimizer"
+            and c.distributed.strategy == "deepspeed"
+            and c.distributed.zero_stage == 1
+        ),
+        "distributed.offload",
+        "DeepSpeed offloads optimizer states from ZeRO-2 up; set distributed.zero_stage: 2 or 3",
+    ),
+    (
+        lambda c: c.distributed.offload == "optimizer" and c.distributed.strategy == "fsdp",
+        "distributed.offload",
+        "FSDP2 offloads parameters, gradients and optimizer states together; set offload: optimizer+params",
+    ),
+    (
+        lambda c: c.distributed.strategy == "fsdp" and c.train.method != "full",
+        "distributed.strategy",
+        "fsdp is wired for full fine-tuning and pretraining here; for adapter methods (lora, dora, qlora, "
+        "freeze) use distributed.strategy: ddp or deepspeed",
+    ),
 ]
 
 

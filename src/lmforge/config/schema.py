@@ -261,6 +261,31 @@ class TrainConfig(Section):
     dataloader_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
 
 
+class DistributedConfig(Section):
+    strategy: Literal["auto", "none", "ddp", "fsdp", "deepspeed"] = Field(
+        "auto",
+        description="How the workers of `lmforge launch` share the job. none: one process; ddp: torch DDP "
+        "(every rank holds the whole model); fsdp: FSDP2 full sharding (torch.distributed.fsdp.fully_shard); "
+        "deepspeed: DeepSpeed ZeRO (distributed.zero_stage, distributed.offload). auto: one process -> none; "
+        "several -> the cheapest strategy that fits device memory, as `lmforge estimate` computes it.",
+    )
+    zero_stage: Literal[1, 2, 3] = Field(
+        2,
+        description="DeepSpeed ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters.",
+    )
+    offload: Literal["none", "optimizer", "optimizer+params"] = Field(
+        "none",
+        description="Move states to CPU memory: optimizer (ZeRO-2/3: optimizer states, stepped by DeepSpeed's "
+        "CPU Adam) or optimizer+params (ZeRO-3 also parameters; FSDP: CPUOffloadPolicy).",
+    )
+    deepspeed_config: Path | None = Field(
+        None,
+        description="Your own DeepSpeed JSON (implies strategy deepspeed). Validated before training; its "
+        '"auto" values are filled from train.* and the world size, and the resolved file is written to '
+        "<run dir>/deepspeed_config.json.",
+    )
+
+
 AlertKind = Literal[
     "nonfinite", "spike", "rollback", "stall", "oom_backoff", "data_bound", "finished", "failed", "stopped"
 ]
@@ -377,9 +402,10 @@ class ExportConfig(Section):
 
 
 class FaultConfig(Section):
-    kind: Literal["nan", "spike", "slow_data", "oom", "hang"] = Field(
+    kind: Literal["nan", "spike", "slow_data", "oom", "hang", "crash"] = Field(
         description="nan: the loss becomes NaN; spike: the loss is multiplied by `factor`; slow_data: the data "
-        "loader sleeps `seconds`; oom: an out-of-memory error is raised; hang: the step sleeps `seconds`."
+        "loader sleeps `seconds`; oom: an out-of-memory error is raised; hang: the step sleeps `seconds`; "
+        "crash: the step raises an error (with `rank`, one worker of a distributed run dies)."
     )
     step: int = Field(ge=1, description="The optimizer step (1-based) the fault hits.")
     factor: float = Field(50.0, description="spike: loss multiplier.")
@@ -404,6 +430,9 @@ class LmforgeConfig(Section):
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Which tokenizer to use.")
     data: DataConfig = Field(description="Training and evaluation data.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="The optimisation loop.")
+    distributed: DistributedConfig = Field(
+        default_factory=DistributedConfig, description="Distributed strategy for `lmforge launch`."
+    )
     monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="Metric sinks.")
     export: ExportConfig = Field(default_factory=ExportConfig, description="What final/ holds.")
     debug: DebugConfig = Field(default_factory=DebugConfig, description="Fault-injection drills.")

@@ -13,6 +13,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from lmforge.ckpt.atomic import commit_checkpoint, read_best, rotate_checkpoints, write_best
+from lmforge.distributed.ranks import wait_for_everyone
+from lmforge.distributed.strategy import write_writer
 from lmforge.errors import UserInputError
 from lmforge.monitor.metrics import MetricsLog
 from lmforge.train.numerics import ThroughputMeter, perplexity
@@ -120,8 +122,15 @@ class CheckpointCommitCallback(TrainerCallback):
     """
 
     def __init__(
-        self, staging: Path, checkpoints: Path, keep_last: int, *, best_metric: str | None = None
+        self,
+        staging: Path,
+        checkpoints: Path,
+        keep_last: int,
+        *,
+        best_metric: str | None = None,
+        writer: dict[str, Any] | None = None,
     ) -> None:
+        self.writer = writer  # the engine and world size, recorded in each checkpoint for resumes
         self.staging = staging
         self.checkpoints = checkpoints
         self.keep_last = keep_last
@@ -148,10 +157,18 @@ class CheckpointCommitCallback(TrainerCallback):
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        if not state.is_world_process_zero:
-            return
+        # Every rank writes its shard and RNG state: seal only once all of them are on disk, and
+        # let no rank go on (a rollback reads the checkpoint back) before it is sealed.
+        wait_for_everyone()
+        if state.is_world_process_zero:
+            self._seal(state)
+        wait_for_everyone()
+
+    def _seal(self, state: TrainerState) -> None:
         step = state.global_step
         written = self.staging / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        if self.writer is not None:
+            write_writer(written, self.writer)
         # training_args.bin is a pickle of TrainingArguments; lmforge resumes from config.yaml
         # and never needs it, so it is not kept where a user might unpickle it.
         (written / "training_args.bin").unlink(missing_ok=True)
@@ -197,3 +214,30 @@ class CrashDrillCallback(TrainerCallback):
     def _crash(self) -> None:
         log.warning("debug.crash_at_step=%d: killing this process with SIGKILL", self.step)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class ShardReport(TrainerCallback):
+    """Logs, on every rank, how many parameter elements it holds once the engine has wrapped the
+    model: the direct evidence that FSDP / ZeRO-3 shard (each rank holds 1/N) and DDP replicates."""
+
+    def __init__(self, total: int, engine: str) -> None:
+        self.total = total
+        self.engine = engine
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        from lmforge.distributed.fsdp import local_parameter_numel
+
+        model = kw.get("model")
+        if model is None:
+            return
+        held = local_parameter_numel(model)
+        log.info(
+            "rank %d holds %s of %s parameter elements (%.1f%%, %s)",
+            args.process_index,
+            f"{held:,}",
+            f"{self.total:,}",
+            100 * held / max(self.total, 1),
+            self.engine,
+        )

@@ -43,7 +43,11 @@ class GuardCallback(TrainerCallback):
         stall_seconds: float | None,
         flops_per_token: float,
         peak_flops: float,
+        update_in_backward: bool = False,
     ) -> None:
+        # DeepSpeed applies the update inside backward: a bad step is already in the weights
+        # when it is judged, so a stop must not checkpoint the current state.
+        self.update_in_backward = update_in_backward
         self.guard = guard
         self.events = events
         self.stacks_dir = stacks_dir
@@ -155,7 +159,8 @@ class GuardCallback(TrainerCallback):
                 control.should_training_stop = True
             elif action == "stop" and self.stop_reason is None:
                 self.stop_reason = verdict.message
-                control.should_save = True  # the bad update was not applied: this is the last good state
+                # Unless the engine already applied it, the bad update was dropped: this is the last good state.
+                control.should_save = not self.update_in_backward
                 control.should_training_stop = True
         self.guard.verdicts.clear()
 
@@ -268,7 +273,8 @@ def train_with_rollbacks(
                 "train.save_every, or use monitor.guard.nonfinite=skip / monitor.guard.spike=skip"
             )
         callback.guard.guardrails.rewind(latest.path, bad)
-        metrics.truncate_after(latest.step)  # the replayed steps are logged again, once
+        if trainer.is_world_process_zero():
+            metrics.truncate_after(latest.step)  # the replayed steps are logged again, once
         callback.lr_scale *= lr_scale
         trainer.args.eval_on_start = False  # step-N's evaluation is already on record
         if trainer.is_world_process_zero():
@@ -283,10 +289,32 @@ def train_with_rollbacks(
 
 
 def build_guard_callback(
-    cfg: LmforgeConfig, model: Any, events: EventLog, stacks_dir: Path, resume: Path | None
+    cfg: LmforgeConfig,
+    model: Any,
+    events: EventLog,
+    stacks_dir: Path,
+    resume: Path | None,
+    *,
+    update_in_backward: bool = False,
 ) -> GuardCallback:
-    """The run's guardrails (state restored from `resume`), drills and extra metrics."""
+    """The run's guardrails (state restored from `resume`), drills and extra metrics.
+
+    `update_in_backward`: the engine applies each update inside backward (DeepSpeed), before
+    the guard sees the step's gradient norm, so a bad step can be neither skipped nor rolled
+    back in the process (the engine cannot be re-initialised): the run stops, and the newest
+    complete checkpoint is the last good state; the same launch command resumes from it."""
     settings = cfg.monitor.guard
+    if update_in_backward:
+        acting = {
+            key: "stop" for key in ("nonfinite", "spike") if getattr(settings, key) in ("skip", "rollback")
+        }
+        if acting:
+            log.warning(
+                "monitor.guard: DeepSpeed applies each update inside backward, before a bad step can be "
+                "dropped; %s act as stop (resume from the newest checkpoint: set train.save_every)",
+                " and ".join(f"{key}={getattr(settings, key)}" for key in acting),
+            )
+            settings = settings.model_copy(update=acting)
     guard = StepGuard(Guardrails(settings), faults=list(cfg.debug.faults), oom_backoff=settings.oom_backoff)
     if resume is not None:
         guard.guardrails.load(resume)
@@ -305,4 +333,5 @@ def build_guard_callback(
         stall_seconds=settings.stall_seconds,
         flops_per_token=per_token,
         peak_flops=peak_flops(device),
+        update_in_backward=update_in_backward,
     )

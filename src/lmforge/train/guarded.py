@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lmforge.config.schema import FaultConfig
 from lmforge.monitor.guard import Guardrails, Verdict
@@ -58,6 +59,7 @@ class StepGuard:
     notices: list[tuple[str, str]] = field(default_factory=list)  # (kind, message) events to emit
     _fired: set[tuple[str, int]] = field(default_factory=set)
     _ratio_before: list[torch.Tensor] | None = None
+    _ratio_sharded: bool = False
     _ratio_params: list[torch.nn.Parameter] = field(default_factory=list)
     update_ratio: float | None = None
 
@@ -103,6 +105,7 @@ class StepGuard:
             chosen.append(param)
             used += param.numel()
         self._ratio_params = chosen
+        self._ratio_sharded = any(isinstance(p, DTensor) for p in chosen)
         self._ratio_before = [p.detach().clone() for p in chosen]
 
     def measure_ratio(self) -> None:
@@ -110,13 +113,28 @@ class StepGuard:
         if self._ratio_before is None:
             return
         with torch.no_grad():
-            delta = sum(
-                float((p.detach() - b).float().pow(2).sum())
+            pairs = [
+                (_local(p.detach()), _local(b))
                 for p, b in zip(self._ratio_params, self._ratio_before, strict=True)
+            ]
+            sums = torch.tensor(
+                [
+                    sum(float((p - b).float().pow(2).sum()) for p, b in pairs),
+                    sum(float(b.float().pow(2).sum()) for _, b in pairs),
+                ],
+                dtype=torch.float64,
             )
-            size = sum(float(b.float().pow(2).sum()) for b in self._ratio_before)
+            if self._ratio_sharded and dist.is_initialized():
+                # FSDP: each rank holds one shard of every tensor; the norms are over the whole ones.
+                dist.all_reduce(sums)
+            delta, size = float(sums[0]), float(sums[1])
         self.update_ratio = math.sqrt(delta) / math.sqrt(size) if size > 0 else None
         self._ratio_before, self._ratio_params = None, []
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded (FSDP2 DTensor) tensor; any other tensor whole."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _across_ranks(loss: torch.Tensor, world_size: int) -> tuple[float, float]:
@@ -152,6 +170,8 @@ class GuardedSteps:
         if guard is None:
             return super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
         step = self.state.global_step + 1  # type: ignore[attr-defined]
+        if guard.fault("crash", step) is not None:
+            raise RuntimeError(f"debug.faults: simulated crash on rank {guard.rank} at step {step}")
         hang = guard.fault("hang", step)
         if hang is not None:
             log.warning("debug.faults: hanging step %d for %.1f s", step, hang.seconds)

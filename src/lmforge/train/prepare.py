@@ -45,8 +45,11 @@ def resolve_cache_dir(cfg: LmforgeConfig) -> Path:
     return Path(os.environ.get("LMFORGE_CACHE", Path.home() / ".cache" / "lmforge"))
 
 
-def prepare_data_for_run(cfg: LmforgeConfig, paths: RunPaths) -> tuple[PreTrainedTokenizerBase, RunData]:
-    """Tokenizer and prepared data for the run in `paths`; writes data_report.json there."""
+def prepare_data_for_run(
+    cfg: LmforgeConfig, paths: RunPaths, *, write_report: bool = True
+) -> tuple[PreTrainedTokenizerBase, RunData]:
+    """Tokenizer and prepared data for the run in `paths`; writes data_report.json there
+    (rank 0 of a distributed run; the others read the same cache and report nothing)."""
     paths.root.mkdir(parents=True, exist_ok=True)
     cache_dir = resolve_cache_dir(cfg)
     tokenizer = obtain_tokenizer(cfg, paths, cache_dir)
@@ -56,7 +59,8 @@ def prepare_data_for_run(cfg: LmforgeConfig, paths: RunPaths) -> tuple[PreTraine
         data = _sft_data(cfg, tokenizer, cache_dir, paths)
     else:
         data = _preference_data(cfg, tokenizer, cache_dir, paths)
-    paths.data_report.write_text(json.dumps(data.report, indent=2), encoding="utf-8")
+    if write_report:
+        paths.data_report.write_text(json.dumps(data.report, indent=2), encoding="utf-8")
     return tokenizer, data
 
 

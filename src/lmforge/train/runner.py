@@ -23,12 +23,15 @@ from lmforge.ckpt.export import ExportOutcome, run_export
 from lmforge.config import LmforgeConfig, dump_config
 from lmforge.config.schema import MonitorConfig
 from lmforge.data.tokenizer import tokenizer_fingerprint
+from lmforge.distributed.deepspeed_config import write_resolved
+from lmforge.distributed.ranks import main_first, wait_for_everyone
+from lmforge.distributed.strategy import Plan, check_resume_world, engine_arguments, plan_for
 from lmforge.errors import TrainingStopped, UserInputError
 from lmforge.models.build import build_model, count_parameters
 from lmforge.models.methods import Head, apply_training_method, check_method_runs_here, quantization_for
 from lmforge.monitor.metrics import MetricsLog, read_metrics
 from lmforge.monitor.run_monitor import RunMonitor, open_run_monitor
-from lmforge.train.callbacks import CheckpointCommitCallback, CrashDrillCallback, MetricsCallback
+from lmforge.train.callbacks import CheckpointCommitCallback, CrashDrillCallback, MetricsCallback, ShardReport
 from lmforge.train.guard_callback import GuardCallback, build_guard_callback, train_with_rollbacks
 from lmforge.train.precision import resolve_precision
 from lmforge.train.prepare import RunData, prepare_data_for_run
@@ -60,16 +63,32 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
     `extra_callbacks` are added to the Trainer after lmforge's own (for library users and benchmarks).
     """
     check_method_runs_here(cfg.train)  # qlora on a CPU-only machine fails here, before any work
+    on_gpu = torch.cuda.is_available()
+    plan = plan_for(cfg, precision=resolve_precision(cfg.train.precision, use_cuda=on_gpu), on_gpu=on_gpu)
+    world = plan.world
+    log.info("distributed: %s", plan.describe())
     paths = RunPaths(cfg.run.dir)
-    resume = resolve_resume(cfg.train.resume, paths)
-    claim_run_dir(paths, resuming=resume is not None, overwrite=cfg.run.overwrite)
-    set_seed(cfg.run.seed)
-
-    tokenizer, data = prepare_data_for_run(cfg, paths)
-    write_resolved_config(cfg, paths)
-    write_manifest(
-        paths, data_fingerprint=data.fingerprint, tokenizer_fingerprint=tokenizer_fingerprint(tokenizer)
-    )
+    metrics = MetricsLog(paths.metrics)
+    with main_first(world):  # rank 0 sets the run directory and the data cache up, then the others read them
+        resume = resolve_resume(cfg.train.resume, paths)
+        check_resume_world(resume, plan)
+        if world.is_main:
+            claim_run_dir(paths, resuming=resume is not None, overwrite=cfg.run.overwrite)
+        set_seed(cfg.run.seed)
+        tokenizer, data = prepare_data_for_run(cfg, paths, write_report=world.is_main)
+        if world.is_main:
+            write_resolved_config(cfg, paths)
+            write_manifest(
+                paths,
+                data_fingerprint=data.fingerprint,
+                tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+                distributed=plan.summary(),
+            )
+            if plan.deepspeed is not None:
+                write_resolved(plan.deepspeed, paths.root / "deepspeed_config.json")
+            if resume is not None:
+                dropped = metrics.truncate_after(resume.step)
+                log.info("resuming from %s (%d metric records after it dropped)", resume.path, dropped)
 
     head: Head = "score" if cfg.train.stage == "rm" else "causal"
     model: Any = build_model(
@@ -85,28 +104,34 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
     reference = copy.deepcopy(model).eval() if needs_reference_model(cfg) else None
     model = apply_training_method(model, cfg.train, head=head)
 
-    metrics = MetricsLog(paths.metrics)
-    if resume is not None:
-        dropped = metrics.truncate_after(resume.step)
-        log.info("resuming from %s (%d metric records after it dropped)", resume.path, dropped)
     monitor = open_run_monitor(
         cfg.monitor
         if cfg.monitor.enabled
         else MonitorConfig(enabled=False, loggers=cfg.monitor.loggers, system_metrics_seconds=None),
         paths.root,
         cfg.run.name,
-        rank=int(os.environ.get("RANK", "0")),
+        rank=world.rank,
         config=dump_config(cfg),
         resume_step=resume.step if resume else None,
     )
     events = monitor.events
-    guard = build_guard_callback(cfg, model, events, paths.root / "stacks", resume.path if resume else None)
-    trainer = _build_trainer(cfg, model, reference, tokenizer, data, paths, metrics, resume, guard, monitor)
+    guard = build_guard_callback(
+        cfg,
+        model,
+        events,
+        paths.root / "stacks",
+        resume.path if resume else None,
+        update_in_backward=plan.engine == "deepspeed",
+    )
+    trainer = _build_trainer(
+        cfg, model, reference, tokenizer, data, paths, metrics, resume, guard, monitor, plan
+    )
     if cfg.monitor.enabled:
         guard.attach(trainer)
     for callback in extra_callbacks or []:
         trainer.add_callback(callback)
-    shutil.rmtree(paths.staging, ignore_errors=True)  # leftovers of a save interrupted by a crash
+    if world.is_main:
+        shutil.rmtree(paths.staging, ignore_errors=True)  # leftovers of a save interrupted by a crash
     rank0 = trainer.is_world_process_zero()
     try:
         export = _train_and_export(cfg, trainer, guard, tokenizer, metrics, paths, resume)
@@ -174,7 +199,12 @@ def _train_and_export(
         guard.close()
     step = trainer.state.global_step
     if guard.stop_reason is not None:
-        raise TrainingStopped(f"{guard.stop_reason}; the last good state is checkpoints/step-{step}")
+        if guard.update_in_backward:  # the bad update is in the weights: the last good state is older
+            latest, _ = find_latest_complete(paths.checkpoints)
+            good = f"checkpoints/{latest.path.name}" if latest else "not checkpointed (set train.save_every)"
+        else:
+            good = f"checkpoints/step-{step}"
+        raise TrainingStopped(f"{guard.stop_reason}; the last good state is {good}")
     if guard.signal_stop is not None:
         return None
     _save_final(trainer, tokenizer, paths.final, merge_lora=cfg.export.merge_lora)
@@ -239,6 +269,7 @@ def _build_trainer(
     resume: CheckpointStatus | None,
     guard: GuardCallback,
     monitor: RunMonitor,
+    plan: Plan,
 ) -> Trainer:
     has_eval = data.eval is not None and len(data.eval) > 0  # type: ignore[arg-type]
     watched = cfg.monitor.enabled
@@ -255,9 +286,14 @@ def _build_trainer(
             listeners=monitor.record_listeners(),
         ),
         CheckpointCommitCallback(
-            paths.staging, paths.checkpoints, cfg.train.keep_last, best_metric=cfg.train.best_metric
+            paths.staging,
+            paths.checkpoints,
+            cfg.train.keep_last,
+            best_metric=cfg.train.best_metric,
+            writer=plan.summary(),
         ),
         _FinalStepCallback(),
+        ShardReport(sum(p.numel() for p in model.parameters()), plan.engine),
     ]
     if cfg.debug.crash_at_step is not None:
         callbacks.append(CrashDrillCallback(cfg.debug.crash_at_step))
@@ -267,7 +303,16 @@ def _build_trainer(
         args.eval_on_start = args.eval_strategy != "no" and resume is None
 
     return build_stage_trainer(
-        cfg, model, reference, tokenizer, data, paths, callbacks, has_eval=has_eval, configure=configure
+        cfg,
+        model,
+        reference,
+        tokenizer,
+        data,
+        paths,
+        callbacks,
+        has_eval=has_eval,
+        configure=configure,
+        engine_args=engine_arguments(plan, model, gradient_checkpointing=cfg.train.gradient_checkpointing),
     )
 
 
@@ -293,7 +338,9 @@ def _save_final(
     it onto its base) and, with export.merge_lora, the merged full model into final/ itself.
     """
     staging = final.with_name(final.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
+    if trainer.is_world_process_zero():
+        shutil.rmtree(staging, ignore_errors=True)
+    wait_for_everyone()  # no rank writes its part before the old leftovers are gone
     model = trainer.accelerator.unwrap_model(trainer.model)
     adapter = isinstance(model, PeftModel)
     trainer.save_model(str(staging / "adapter" if adapter else staging))

@@ -52,11 +52,14 @@ def build_stage_trainer(
     *,
     has_eval: bool,
     configure: Callable[[TrainingArguments], None],
+    engine_args: dict[str, Any] | None = None,
 ) -> Trainer:
-    """The trainer for `cfg.train.stage`; `configure` adjusts the arguments every stage shares."""
+    """The trainer for `cfg.train.stage`; `configure` adjusts the arguments every stage shares,
+    `engine_args` select the distributed engine (distributed/strategy.py)."""
+    engine_args = engine_args or {}
     evaluation = data.eval if has_eval else None
     if cfg.train.stage in ("pretrain", "sft"):
-        args = build_training_arguments(cfg.train, paths, seed=cfg.run.seed, has_eval=has_eval)
+        args = build_training_arguments(cfg.train, paths, seed=cfg.run.seed, has_eval=has_eval, **engine_args)
         configure(args)
         assert data.collator is not None
         return LmforgeTrainer(
@@ -77,6 +80,7 @@ def build_stage_trainer(
         args_class=stage.config,
         # TRL's collators take only the tokenized columns; the text columns must be dropped.
         remove_unused_columns=True,
+        **engine_args,
         **stage.values,
     )
     configure(args)

@@ -1,5 +1,6 @@
-"""lmforge's Trainers: HF Trainer or a TRL trainer plus exact real-token counting and guarded
-steps (train/guarded.py), through their step hooks. Everything else is the library's trainer unchanged."""
+"""lmforge's Trainers: HF Trainer or a TRL trainer plus exact real-token counting, guarded
+steps (train/guarded.py) through their step hooks, and FSDP2 that really shards on CPU too
+(distributed/fsdp.py). Everything else is the library's trainer unchanged."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 import torch
 from transformers import Trainer
 
+from lmforge.distributed.fsdp import CpuFsdp
 from lmforge.train.guarded import GuardedSteps
 from lmforge.train.numerics import REAL_TOKENS_KEY
 
@@ -51,10 +53,12 @@ def _mask_tokens(inputs: dict[str, Any]) -> torch.Tensor:
     return total
 
 
-class LmforgeTrainer(RealTokenCounting, GuardedSteps, Trainer):
-    """HF Trainer with exact real-token counting and guarded steps (pretrain and sft)."""
+class LmforgeTrainer(CpuFsdp, RealTokenCounting, GuardedSteps, Trainer):
+    """HF Trainer with real FSDP2 on CPU too, exact real-token counting and guarded steps (pretrain and sft)."""
 
 
 def counting(trainer_class: type[Trainer]) -> type[Trainer]:
-    """`trainer_class` (a TRL trainer) with RealTokenCounting and GuardedSteps mixed in."""
-    return type(f"Lmforge{trainer_class.__name__}", (RealTokenCounting, GuardedSteps, trainer_class), {})
+    """`trainer_class` (a TRL trainer) with CpuFsdp, RealTokenCounting and GuardedSteps mixed in."""
+    return type(
+        f"Lmforge{trainer_class.__name__}", (CpuFsdp, RealTokenCounting, GuardedSteps, trainer_class), {}
+    )

@@ -1,0 +1,136 @@
+"""`lmforge launch`: distributed `lmforge train` through torchrun or deepspeed (or an sbatch script)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from lmforge.errors import UserInputError
+
+
+def launch(
+    config: Path = typer.Argument(..., help="The run's YAML config."),
+    overrides: list[str] | None = typer.Argument(
+        None, help="Dotted key=value overrides passed to every worker (train.lr=1e-4).", show_default=False
+    ),
+    nproc_per_node: int = typer.Option(
+        None,
+        "--nproc-per-node",
+        help="Worker processes per node [default: number of CUDA GPUs, else 1].",
+        show_default=False,
+    ),
+    nnodes: str = typer.Option("1", "--nnodes", help="Number of nodes, or an elastic range MIN:MAX (1:4)."),
+    node_rank: int = typer.Option(
+        None, "--node-rank", help="This node's rank, 0 on the master [default: 0].", show_default=False
+    ),
+    master_addr: str = typer.Option("127.0.0.1", "--master-addr", help="Address of the node with rank 0."),
+    master_port: int = typer.Option(29500, "--master-port", help="A free port on the master node."),
+    backend: str = typer.Option("torchrun", "--backend", help="Launcher: torchrun or deepspeed."),
+    max_restarts: int = typer.Option(
+        0, "--max-restarts", help="Elastic: restart the worker group up to K times (uses c10d rendezvous)."
+    ),
+    rdzv_backend: str = typer.Option(
+        None,
+        "--rdzv-backend",
+        help="Rendezvous: c10d (elastic) or static [default: c10d with an --nnodes range or --max-restarts].",
+        show_default=False,
+    ),
+    rdzv_endpoint: str = typer.Option(
+        None,
+        "--rdzv-endpoint",
+        help="c10d rendezvous HOST:PORT [default: MASTER_ADDR:MASTER_PORT].",
+        show_default=False,
+    ),
+    rdzv_id: str = typer.Option(
+        None,
+        "--rdzv-id",
+        help="c10d job id, the same on every node [default: lmforge-<run.name>].",
+        show_default=False,
+    ),
+    hostfile: Path = typer.Option(
+        None,
+        "--hostfile",
+        help="deepspeed: hostfile ('host slots=N' per line); needed for several nodes.",
+        show_default=False,
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print the environment and the exact command, run nothing."
+    ),
+    slurm: bool = typer.Option(
+        False, "--slurm", help="Write an sbatch script instead of running (with --dry-run: print it)."
+    ),
+    slurm_out: Path = typer.Option(
+        None,
+        "--slurm-out",
+        help="Where --slurm writes the script (implies --slurm) [default: <run.output_dir>/<run.name>.sbatch].",
+        show_default=False,
+    ),
+) -> None:
+    """Start distributed training: `lmforge train CONFIG k=v ...` on every worker, through torchrun
+    (default) or deepspeed. A failed worker stops the others; the exit code is its exit code.
+
+    Example: `lmforge launch examples/pretrain_tiny.yaml train.max_steps=50 --nproc-per-node 2 --dry-run`
+
+    Two nodes: `lmforge launch cfg.yaml --nnodes 2 --node-rank 0 --master-addr 10.0.0.1` on the first,
+    `--node-rank 1` on the second. Slurm: `lmforge launch cfg.yaml --nnodes 4 --nproc-per-node 8 --slurm`.
+    """
+    from lmforge.config import load_config
+    from lmforge.distributed import launch as plan
+
+    try:
+        if backend not in ("torchrun", "deepspeed"):
+            raise UserInputError(f"--backend {backend!r}: use torchrun or deepspeed")
+        cfg = load_config(config, overrides or [])
+        request = plan.LaunchRequest(
+            config=config,
+            overrides=list(overrides or []),
+            run_name=cfg.run.name,
+            nproc_per_node=nproc_per_node if nproc_per_node is not None else plan.default_nproc_per_node(),
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            backend=backend,  # type: ignore[arg-type]
+            max_restarts=max_restarts,
+            rdzv_backend=rdzv_backend,
+            rdzv_endpoint=rdzv_endpoint,
+            rdzv_id=rdzv_id,
+            hostfile=hostfile,
+        )
+        slurm = slurm or slurm_out is not None
+        if slurm:
+            script = plan.slurm_script(request, Path.cwd())
+            target = slurm_out or cfg.run.output_dir / f"{cfg.run.name}.sbatch"
+        else:
+            launch_plan = plan.plan_launch(request)
+    except UserInputError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+
+    if slurm:
+        if dry_run:
+            sys.stdout.write(script)
+            return
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(script, encoding="utf-8")
+        target.chmod(0o755)
+        typer.echo(f"wrote {target}\nsubmit it with: sbatch {target}")
+        return
+    if dry_run:
+        sys.stdout.write(plan.render_dry_run(launch_plan))
+        return
+    for note in launch_plan.notes:
+        typer.echo(f"lmforge launch: {note}", err=True)
+    if request.backend == "deepspeed":
+        code = plan.run_deepspeed(launch_plan)
+        if code:
+            typer.echo(f"error: the deepspeed launcher exited with code {code}", err=True)
+        raise typer.Exit(code)
+    code, failures = plan.run_torchrun(launch_plan)
+    if code:
+        typer.echo(f"error: distributed training failed ({len(failures)} worker(s)):", err=True)
+        for line in failures:
+            typer.echo(f"  {line}", err=True)
+    raise typer.Exit(code)

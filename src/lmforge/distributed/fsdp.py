@@ -1,0 +1,182 @@
+"""FSDP2 through the HF Trainer, on GPUs and on CPU (gloo) alike.
+
+Why this module exists: with `use_cpu=True` under torchrun, accelerate's `AcceleratorState`
+classifies the run as `DistributedType.MULTI_CPU` and only upgrades *GPU-like* distributed types
+to `DistributedType.FSDP` when an FSDP plugin is given. The Trainer still passes the plugin, but
+the state silently drops it, so every rank trains a full DDP replica. `torch.distributed.fsdp.
+fully_shard` itself works on CPU with gloo, so the only thing missing is that state switch.
+`CpuFsdp` applies it right after the Trainer builds its Accelerator; from then on the Trainer and
+accelerate take their own FSDP2 paths (`fsdp2_prepare_model`, DTensor-aware grad clipping,
+torch-DCP checkpoint save/load), exactly as on CUDA, where the switch does nothing. No sharding
+code lives here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["CpuFsdp", "enable_cpu_fsdp", "fsdp_training_arguments", "local_parameter_numel"]
+
+
+def _layer_classes_to_wrap(model: nn.Module) -> list[str]:
+    """Decoder layer class names FSDP2 should shard as units, from `_no_split_modules`.
+
+    Transformers models list their repeated blocks (e.g. `LlamaDecoderLayer`) there. accelerate
+    falls back to the same list, but naming the classes makes the saved TrainingArguments
+    self-describing; names not instantiated in this model are dropped because accelerate raises
+    on a class it cannot find.
+    """
+    names = getattr(model, "_no_split_modules", None) or []
+    present = {type(m).__name__ for m in model.modules()}
+    return [n for n in names if n in present]
+
+
+def fsdp_training_arguments(
+    model: nn.Module,
+    *,
+    sharded_checkpoints: bool = True,
+    reshard_after_forward: bool = True,
+    activation_checkpointing: bool = False,
+    offload: bool = False,
+) -> dict[str, Any]:
+    """`TrainingArguments` kwargs that select FSDP2 full sharding for `model`.
+
+    - `fsdp=True` + `fsdp_config["version"] = 2`: the transformers 5.x spelling (strings such as
+      "full_shard auto_wrap" are deprecated; FSDP2 expresses the strategy as
+      `reshard_after_forward`: True = ZeRO-3-like full shard, False = ZeRO-2-like).
+    - `state_dict_type="SHARDED_STATE_DICT"`: intermediate checkpoints are torch DCP directories
+      written by every rank in parallel (no gather of the full model on rank 0). Plain
+      `Trainer.save_model()` then writes no weights; `CpuFsdp.save_model` gathers and writes the
+      full HF safetensors model instead.
+    - `activation_checkpointing` here (FSDP's own) is preferred over the TrainingArguments
+      `gradient_checkpointing`, which adds a redundant all-gather in backward.
+    - `offload`: parameters, gradients and optimizer states live in CPU memory between uses
+      (FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU).
+    """
+    config: dict[str, Any] = {
+        "version": 2,
+        "reshard_after_forward": reshard_after_forward,
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "state_dict_type": "SHARDED_STATE_DICT" if sharded_checkpoints else "FULL_STATE_DICT",
+        "activation_checkpointing": activation_checkpointing,
+        "cpu_ram_efficient_loading": False,
+        "cpu_offload": offload,
+    }
+    layers = _layer_classes_to_wrap(model)
+    if layers:
+        config["transformer_layer_cls_to_wrap"] = layers
+    return {"fsdp": True, "fsdp_config": config}
+
+
+def enable_cpu_fsdp(accelerator: Any, fsdp_plugin: Any) -> bool:
+    """Switch an already-built CPU `Accelerator` from MULTI_CPU to FSDP; True if it did.
+
+    Mirrors what `AcceleratorState.__init__` does for GPU types (set the distributed type, hand
+    the plugin its mixed precision, store it). The type lives in two shared-state dicts
+    (`AcceleratorState` and `PartialState`); both must change, or objects created later
+    (dataloaders, `GradientState`, other `AcceleratorState()` instances) see the old value.
+    """
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    state = accelerator.state
+    if fsdp_plugin is None or state.distributed_type != DistributedType.MULTI_CPU:
+        return False  # no FSDP requested, or accelerate already chose (GPU: FSDP already set)
+    state.distributed_type = DistributedType.FSDP
+    if state.mixed_precision != "no":
+        fsdp_plugin.set_mixed_precision(state.mixed_precision)
+    state.fsdp_plugin = fsdp_plugin
+    AcceleratorState._shared_state["distributed_type"] = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    return True
+
+
+class CpuFsdp:
+    """Trainer mixin: real FSDP2 on CPU/gloo, and a full HF model from `save_model` under FSDP
+    and DeepSpeed (gathered from the shards, without a duplicate of a tied output head).
+
+    Use as `class MyTrainer(CpuFsdp, Trainer)`. The state switch is a no-op unless the run is
+    multi-process CPU and the TrainingArguments request FSDP (`fsdp_plugin_args`); on CUDA
+    accelerate already picks FSDP. The `save_model` fix applies to any FSDP run (see there).
+    """
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        trainer: Any = self  # a mixin: the Trainer attributes exist only on the final class
+        plugin_args = getattr(trainer.args, "fsdp_plugin_args", None)
+        if plugin_args is None:
+            return
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        # The Trainer built a plugin from the same args, but the state discarded it; rebuild it
+        # the same way rather than reaching into the Accelerator's constructor arguments.
+        plugin = FullyShardedDataParallelPlugin(**plugin_args)
+        if enable_cpu_fsdp(trainer.accelerator, plugin):
+            # Trainer.__init__ calls this method *before* deciding model placement, and every
+            # later FSDP branch (no device move, FSDP2 prepare with the optimizer, DCP checkpoint
+            # save/load, full-state save_model) keys off this flag, so setting it here suffices.
+            trainer.is_fsdp_enabled = True
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Like `Trainer.save_model`, but always writes a full HF model when called by the user.
+
+        Under FSDP with `SHARDED_STATE_DICT` the Trainer's `save_model` writes *no weights at all*
+        (it leaves that to the DCP checkpoint). Explicit calls (the end-of-training export) must
+        produce `model.safetensors` for `from_pretrained`, so gather the full state dict with
+        accelerate (a collective: every rank must call this) and let rank 0 save it. Checkpoint
+        saves (`_internal_call=True`) keep the Trainer's behaviour: the DCP shards are the
+        resumable state and gathering the full model there would cost a full all-gather per save.
+        """
+        trainer: Any = self
+        plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+        sharded = (
+            trainer.is_fsdp_enabled
+            and plugin is not None
+            and "SHARDED_STATE_DICT" in str(plugin.state_dict_type)
+        )
+        # DeepSpeed's gathered state dict also carries the tied head: gather it the same way.
+        if _internal_call or not (sharded or trainer.is_deepspeed_enabled):
+            super().save_model(output_dir, _internal_call=_internal_call)  # type: ignore[misc]
+            return
+        output_dir = output_dir or trainer.args.output_dir
+        engine = trainer.deepspeed if trainer.is_deepspeed_enabled else trainer.model
+        state_dict = trainer.accelerator.get_state_dict(
+            engine
+        )  # a collective; ZeRO-3 returns it on rank 0 only
+        if trainer.args.should_save:
+            trainer._save(output_dir, state_dict=_without_tied_head(trainer.model, state_dict))
+
+
+def _without_tied_head(model: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The gathered state dict holds a tied output head as a tensor of its own; the saved model
+    must not (from_pretrained ties it back), or final/ would differ from a plain save."""
+    config = getattr(model, "config", None)
+    if config is None or not getattr(config.get_text_config(), "tie_word_embeddings", False):
+        return state_dict
+    head = model.get_output_embeddings()
+    for name, module in model.named_modules():
+        if head is not None and module is head:
+            state_dict.pop(f"{name}.weight", None)
+    return state_dict
+
+
+def local_parameter_numel(model: nn.Module) -> int:
+    """Parameter elements this rank really stores: a DTensor's local shard (FSDP2), a ZeRO-3
+    partition (`ds_tensor`), else the whole tensor.
+
+    Under FSDP2 every parameter is a DTensor sharded on dim 0; `.numel()` would report the global
+    size, which is why sharding has to be checked through `.to_local()`.
+    """
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for p in model.parameters():
+        partition = getattr(p, "ds_tensor", None)
+        data: torch.Tensor = (
+            partition if partition is not None else p.to_local() if isinstance(p, DTensor) else p
+        )
+        total += data.numel()
+    return total

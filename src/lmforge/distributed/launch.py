@@ -1,0 +1,357 @@
+"""`lmforge launch`: one node layout -> a torchrun or deepspeed command that runs `lmforge train`.
+
+The command lmforge prints with `--dry-run` is the command it runs: torchrun's own argument
+parser reads the same list in this process (the elastic agent runs in-process, so a failed
+worker arrives here as a `ChildFailedError` with its rank, exit code and recorded error).
+Workers record their uncaught error through `record_worker_errors` (on `lmforge train`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal, ParamSpec, TypeVar
+
+from lmforge.errors import UserInputError
+
+Backend = Literal["torchrun", "deepspeed"]
+WORKER_MODULE = "lmforge.cli.main"
+# Seconds between the agent's checks of its workers: a dead worker is noticed this fast.
+MONITOR_INTERVAL_S = 0.1
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """The node layout `lmforge launch` was asked for (its options, validated by `check_request`)."""
+
+    config: Path
+    overrides: list[str]
+    run_name: str
+    nproc_per_node: int
+    nnodes: str = "1"  # "M" or an elastic range "MIN:MAX"
+    node_rank: int | None = None
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    backend: Backend = "torchrun"
+    max_restarts: int = 0
+    rdzv_backend: str | None = None  # None: static, or c10d when elastic
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    hostfile: Path | None = None
+
+    @property
+    def node_range(self) -> tuple[int, int]:
+        return parse_nnodes(self.nnodes)
+
+    @property
+    def multi_node(self) -> bool:
+        return self.node_range[1] > 1
+
+    @property
+    def rendezvous(self) -> str:
+        """static (fixed master address and node rank) or c10d (elastic: ranges, restarts)."""
+        if self.rdzv_backend is not None:
+            return self.rdzv_backend
+        elastic = ":" in self.nnodes or self.max_restarts > 0 or self.rdzv_endpoint or self.rdzv_id
+        return "c10d" if elastic else "static"
+
+
+@dataclass
+class LaunchPlan:
+    """What runs: the full command, the launcher's own arguments and the environment lmforge sets."""
+
+    command: list[str]
+    launcher_args: list[str]  # torchrun's arguments (after `-m torch.distributed.run`)
+    env: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # why each variable is set, and caveats
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """`2` -> (2, 2); `1:4` -> (1, 4)."""
+    low, _, high = text.partition(":")
+    try:
+        bounds = (int(low), int(high or low))
+    except ValueError:
+        raise UserInputError(
+            f"--nnodes {text!r}: use a number (2) or an elastic range MIN:MAX (1:4)"
+        ) from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise UserInputError(f"--nnodes {text!r}: need 1 <= MIN <= MAX, for example 1:4")
+    return bounds
+
+
+def default_nproc_per_node() -> int:
+    """One process per CUDA GPU, else one."""
+    import torch
+
+    return torch.cuda.device_count() or 1
+
+
+def check_request(req: LaunchRequest) -> None:
+    """All bad option combinations at once, each with its fix (exit code 2)."""
+    problems: list[str] = []
+    low, high = req.node_range
+    if req.nproc_per_node < 1:
+        problems.append(f"--nproc-per-node {req.nproc_per_node}: must be 1 or more")
+    if not 1 <= req.master_port <= 65535:
+        problems.append(
+            f"--master-port {req.master_port}: pick a free port in 1-65535 (0 is not supported: "
+            "every node must agree on the port)"
+        )
+    if req.max_restarts < 0:
+        problems.append(f"--max-restarts {req.max_restarts}: must be 0 or more")
+    if req.rdzv_backend not in (None, "static", "c10d"):
+        problems.append(f"--rdzv-backend {req.rdzv_backend!r}: use c10d (or static)")
+    if req.rendezvous == "static":
+        if low != high:
+            problems.append(f"--nnodes {req.nnodes}: an elastic range needs --rdzv-backend c10d, not static")
+        rank = req.node_rank or 0
+        if not 0 <= rank < high:
+            problems.append(
+                f"--node-rank {rank}: must be in 0..{high - 1} for --nnodes {high}; "
+                "give each node its own rank, 0 on the master"
+            )
+    elif req.node_rank is not None and req.node_rank != 0:
+        problems.append(
+            "--node-rank: c10d rendezvous assigns node ranks itself; drop --node-rank "
+            "(or use a fixed --nnodes without --max-restarts for static ranks)"
+        )
+    if req.backend == "deepspeed":
+        problems.extend(_deepspeed_problems(req))
+    if problems:
+        raise UserInputError(
+            "\n  ".join(["bad launch options:", *problems]) if len(problems) > 1 else problems[0]
+        )
+
+
+def _deepspeed_problems(req: LaunchRequest) -> list[str]:
+    problems = []
+    if req.rendezvous != "static":
+        problems.append(
+            "--backend deepspeed has no elastic mode: drop --max-restarts / --rdzv-* / an --nnodes range, "
+            "or use --backend torchrun"
+        )
+    if req.multi_node and req.hostfile is None:
+        problems.append(
+            f"--backend deepspeed with --nnodes {req.nnodes} needs --hostfile FILE, one line per node "
+            f"like 'node-0 slots={req.nproc_per_node}' (the first host is the master)"
+        )
+    elif req.hostfile is not None and not req.hostfile.is_file():
+        problems.append(f"--hostfile {req.hostfile}: no such file")
+    return problems
+
+
+def worker_args(req: LaunchRequest) -> list[str]:
+    """What each worker runs after `python -m`: `lmforge train CONFIG k=v ...`."""
+    return [WORKER_MODULE, "train", str(req.config), *req.overrides]
+
+
+def torchrun_args(req: LaunchRequest, *, node_rank: str | None = None) -> list[str]:
+    """torchrun's arguments for `req`; `node_rank` replaces the node rank (a shell variable in sbatch)."""
+    args = ["--nnodes", req.nnodes, "--nproc-per-node", str(req.nproc_per_node)]
+    if req.rendezvous == "static":
+        args += ["--node-rank", node_rank or str(req.node_rank or 0)]
+        args += ["--master-addr", req.master_addr, "--master-port", str(req.master_port)]
+    else:
+        endpoint = req.rdzv_endpoint or f"{req.master_addr}:{req.master_port}"
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+        args += ["--rdzv-id", req.rdzv_id or f"lmforge-{req.run_name}"]
+        args += ["--max-restarts", str(req.max_restarts)]
+    args += ["--monitor-interval", str(MONITOR_INTERVAL_S)]
+    return [*args, "-m", *worker_args(req)]
+
+
+def deepspeed_args(req: LaunchRequest) -> list[str]:
+    """The `deepspeed` launcher's arguments (deepspeed/launcher/runner.py) for `req`."""
+    args = ["--num_gpus", str(req.nproc_per_node), "--num_nodes", req.nnodes]
+    args += ["--master_addr", req.master_addr, "--master_port", str(req.master_port)]
+    if req.hostfile is not None:
+        args += ["--hostfile", str(req.hostfile)]
+    if req.multi_node and req.node_rank is not None:
+        # Started on every node by hand (like torchrun) instead of over ssh from node 0.
+        args += ["--no_ssh", "--node_rank", str(req.node_rank)]
+    # --no_local_rank: workers read LOCAL_RANK from the environment; `lmforge train` takes no --local_rank.
+    return [*args, "--no_local_rank", "--module", *worker_args(req)]
+
+
+def plan_launch(req: LaunchRequest) -> LaunchPlan:
+    """The command and environment for `req` (checked first)."""
+    check_request(req)
+    if req.backend == "torchrun":
+        launcher_args = torchrun_args(req)
+        command = [sys.executable, "-m", "torch.distributed.run", *launcher_args]
+    else:
+        launcher_args = deepspeed_args(req)
+        command = [sys.executable, "-m", "deepspeed.launcher.runner", *launcher_args]
+    plan = LaunchPlan(command=command, launcher_args=launcher_args)
+    if "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        plan.env["OMP_NUM_THREADS"] = str(max(1, cores // req.nproc_per_node))
+        plan.notes.append(
+            f"OMP_NUM_THREADS was unset: {cores} CPU cores / {req.nproc_per_node} process(es) per node"
+        )
+    if req.multi_node and req.master_addr in ("127.0.0.1", "localhost") and req.rendezvous == "static":
+        plan.notes.append("--master-addr is loopback: every node must run on this machine")
+    if req.backend == "deepspeed" and req.multi_node and req.node_rank is None:
+        plan.notes.append(
+            "deepspeed starts the other nodes over ssh (pdsh) from the hostfile's hosts; only "
+            "PYTHON*/NCCL*/UCX* variables and those in .deepspeed_env reach them"
+        )
+    return plan
+
+
+def render_dry_run(plan: LaunchPlan) -> str:
+    """The plan as shell a user can paste: notes as comments, one `export` per variable, the command."""
+    lines = [f"# {note}" for note in plan.notes]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in plan.env.items()]
+    lines.append(shlex.join(plan.command))
+    return "\n".join(lines) + "\n"
+
+
+def slurm_script(req: LaunchRequest, workdir: Path) -> str:
+    """An sbatch script: one task per node, each running torchrun with that node's rank."""
+    check_request(req)
+    if req.backend != "torchrun":
+        raise UserInputError("--slurm writes a torchrun job; use --backend torchrun with --slurm")
+    low, high = req.node_range
+    static = req.rendezvous == "static"
+    # Shell words, left unquoted below: they expand on each node, not when lmforge writes the script.
+    per_node = replace(
+        req,
+        config=req.config.resolve(),
+        nnodes='"$SLURM_NNODES"' if static else req.nnodes,
+        master_addr='"$MASTER_ADDR"',
+        rdzv_backend=req.rendezvous,
+        rdzv_id=None if static else req.rdzv_id or '"$SLURM_JOB_ID"',
+    )
+    words = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *torchrun_args(per_node, node_rank='"$SLURM_NODEID"'),
+    ]
+    inner = " ".join(w if w.startswith('"$') else shlex.quote(w) for w in words)
+    nodes = str(high) if low == high else f"{low}-{high}"
+    cpus, nproc = "${SLURM_CPUS_ON_NODE:-1}", req.nproc_per_node
+    threads = f"$(( {cpus} / {nproc} > 0 ? {cpus} / {nproc} : 1 ))"
+    return "\n".join(
+        [
+            "#!/bin/bash",
+            f"#SBATCH --job-name={req.run_name}",
+            f"#SBATCH --nodes={nodes}",
+            "#SBATCH --ntasks-per-node=1",
+            f"#SBATCH --gpus-per-node={req.nproc_per_node}",
+            f"#SBATCH --output={req.run_name}-%j.out",
+            "# Written by `lmforge launch --slurm`; assumes this venv and the config are on a shared filesystem.",
+            "set -euo pipefail",
+            f"cd {shlex.quote(str(workdir))}",
+            'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            f"export MASTER_ADDR MASTER_PORT={req.master_port}",
+            f'export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-{threads}}}"',
+            f"srun --kill-on-bad-exit=1 bash -c {shlex.quote('exec ' + inner)}",
+            "",
+        ]
+    )
+
+
+def run_torchrun(plan: LaunchPlan) -> tuple[int, list[str]]:
+    """Run torchrun's elastic agent in this process; (exit code, one line per failed worker)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    os.environ.update(plan.env)
+    try:
+        run(parse_args(plan.launcher_args))
+    except ChildFailedError as err:
+        return failure_exit_code(err), failure_lines(err)
+    except SignalException as err:
+        return 128 + int(err.sigval), [
+            f"launch stopped by {signal.Signals(err.sigval).name}; workers were stopped"
+        ]
+    return 0, []
+
+
+def run_deepspeed(plan: LaunchPlan) -> int:
+    """Run the deepspeed launcher as a child process; its exit code."""
+    return subprocess.run(plan.command, env={**os.environ, **plan.env}, check=False).returncode
+
+
+# A worker whose collective failed because a peer died says so; it is a consequence, not the cause.
+_PEER_LOST = ("closed by peer", "reset by peer", "remote worker")
+
+
+def _order(err: Any) -> list[tuple[int, Any]]:
+    """Failures, root cause first: errors that only report a lost peer go last, the rest by time
+    (an error file's mtime is finer than the whole seconds torch records)."""
+
+    def key(item: tuple[int, Any]) -> tuple[bool, float]:
+        failure = item[1]
+        try:
+            when = os.stat(failure.error_file).st_mtime
+        except OSError:
+            when = float(failure.timestamp)
+        return any(marker in _last_line(failure) for marker in _PEER_LOST), when
+
+    return sorted(err.failures.items(), key=key)
+
+
+def failure_exit_code(err: Any) -> int:
+    """The first failed worker's exit code; 128+N for a worker killed by signal N (as a shell reports it)."""
+    exitcode = int(_order(err)[0][1].exitcode)
+    if exitcode < 0:
+        return 128 - exitcode
+    return exitcode or 1
+
+
+def failure_lines(err: Any) -> list[str]:
+    """`rank R (local L) failed with exit code X: <last line of its error>` per failed worker."""
+    return [
+        f"rank {rank} (local {failure.local_rank}) failed with exit code {_exit_text(failure.exitcode)}: "
+        f"{_last_line(failure)}"
+        for rank, failure in _order(err)
+    ]
+
+
+def _exit_text(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"{exitcode} (killed by {signal.Signals(-exitcode).name})"
+        except ValueError:
+            return f"{exitcode} (killed by signal {-exitcode})"
+    return str(exitcode)
+
+
+def _last_line(failure: Any) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message") or message.get("extraInfo", {}).get("py_callstack", "")
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    if not lines or "elastic/errors.html" in lines[-1]:
+        return "no error recorded; see the worker's output above"
+    return lines[-1]
+
+
+def record_worker_errors(fn: Callable[_P, _R]) -> Callable[_P, _R | None]:
+    """Under a torchrun agent (`lmforge launch`), write `fn`'s uncaught error to the worker's error file
+    (TORCHELASTIC_ERROR_FILE) so the launcher can name it; re-raises. Does nothing elsewhere."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R | None:
+        if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+            return fn(*args, **kwargs)
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(fn)(*args, **kwargs)
+
+    return wrapper

@@ -1,0 +1,71 @@
+"""Who this worker is in the job, and the few places where ranks must take turns.
+
+The world comes from the environment torchrun / the deepspeed launcher set (WORLD_SIZE,
+LOCAL_WORLD_SIZE, RANK). The process group is opened early, the way accelerate would open it
+(gloo on CPU, nccl on GPU), so that rank 0 can set the run directory up and prepare the
+data cache before the other ranks read them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    size: int
+    local_size: int
+    rank: int
+
+    @property
+    def nodes(self) -> int:
+        return max(self.size // max(self.local_size, 1), 1)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def current_world() -> World:
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    return World(
+        size=size,
+        local_size=int(os.environ.get("LOCAL_WORLD_SIZE", size)),
+        rank=int(os.environ.get("RANK", "0")),
+    )
+
+
+def ensure_process_group() -> None:
+    """Open the default process group if the launcher started several workers and nobody has yet."""
+    if dist.is_initialized() or current_world().size == 1:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def wait_for_everyone() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+@contextmanager
+def main_first(world: World) -> Iterator[None]:
+    """Rank 0 runs the block first (claims the run directory, fills the data cache); the others
+    then run it against what rank 0 wrote. Should rank 0 fail inside, the launcher's agent
+    stops the waiting ranks (torchrun tears the whole worker group down)."""
+    if world.size == 1:
+        yield
+        return
+    ensure_process_group()
+    if not world.is_main:
+        wait_for_everyone()
+    yield
+    if world.is_main:
+        wait_for_everyone()

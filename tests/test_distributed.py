@@ -1,0 +1,231 @@
+"""Distributed training on real engines, 2 processes on gloo: DDP, FSDP2, DeepSpeed ZeRO-2 and ZeRO-3.
+
+Each strategy trains the same tiny model on the same data as one process with the same global
+batch (2 ranks x 2 sequences = 1 x 4) and seed; the loss curves must agree, and a run resumed
+from the strategy's own mid-run checkpoint must continue the same curve.
+
+Tolerance: the engines compute the same global-token-mean gradient as the single process, but
+sum it in another order (per-rank partial sums, then an all-reduce; DeepSpeed also flattens
+gradients into buckets, and with offload steps them with its own CPU Adam). fp32 rounding
+differences of ~1e-7 relative are amplified by Adam, whose update m/sqrt(v) is O(lr) even for
+tiny gradient entries. Measured over 8 steps: at most 1e-6 (DDP, FSDP, ZeRO-2, ZeRO-3) and
+3e-6 (ZeRO-3 with offload). TOLERANCE (1e-4 absolute on a loss of ~5) leaves a 30x margin and
+is still a thousand times smaller than one step's loss change at this lr (0.03-0.3): a wrong
+global batch, a missed all-reduce or a mis-scaled loss would all show.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from lmforge.ckpt.atomic import check_checkpoint
+from lmforge.ckpt.consolidate import consolidate
+from tests.conftest import SMALL_ARCH, run_cli
+
+TOLERANCE = 1e-4
+STEPS = 8
+
+
+def base_config(out: Path, corpus: Path, name: str, *, micro_batch: int, **distributed: Any) -> dict:
+    return {
+        "run": {"name": name, "output_dir": str(out), "seed": 0},
+        "model": {"preset": "llama-tiny", "config": SMALL_ARCH},
+        "tokenizer": {"train": {"vocab_size": 300}},
+        "data": {"train": [{"path": str(corpus)}], "max_length": 64},
+        "train": {
+            "max_steps": STEPS,
+            "micro_batch_size": micro_batch,
+            "lr": 3e-3,
+            "precision": "fp32",
+            "log_every": 1,
+            "warmup_steps": 0,
+            "save_every": STEPS // 2,
+            "keep_last": 5,
+        },
+        "distributed": distributed,
+        "monitor": {"loggers": [], "system_metrics_seconds": None},
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def torchrun(config: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedProcess[str]:
+    """`lmforge launch` on one node: torchrun's agent, `nproc` workers on gloo."""
+    return run_cli(
+        "launch", str(config), *overrides, "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+        env={"OMP_NUM_THREADS": "1"}, timeout=900,
+    )  # fmt: skip
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def write(path: Path, config: dict) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def single_process_curve(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> dict[int, float]:
+    out = tmp_path_factory.mktemp("single")
+    config = write(out / "single.yaml", base_config(out, corpus, "single", micro_batch=4, strategy="none"))
+    result = run_cli("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    curve = losses(out / "single")
+    assert sorted(curve) == list(range(1, STEPS + 1))
+    return curve
+
+
+STRATEGIES = {
+    "ddp": {"strategy": "ddp"},
+    "fsdp": {"strategy": "fsdp"},
+    "zero2": {"strategy": "deepspeed", "zero_stage": 2},
+    "zero3": {"strategy": "deepspeed", "zero_stage": 3},
+}
+# Share of the parameters each of the 2 ranks holds while training: sharded or replicated.
+HELD = {"ddp": 1.0, "fsdp": 0.5, "zero2": 1.0, "zero3": 0.5}
+
+
+def held_shares(stderr: str) -> dict[int, float]:
+    """Each rank's `rank R holds X of Y parameter elements` line, as X / Y."""
+    found = re.findall(r"rank (\d+) holds ([\d,]+) of ([\d,]+) parameter elements", stderr)
+    return {int(r): int(x.replace(",", "")) / int(y.replace(",", "")) for r, x, y in found}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_two_processes_match_one_and_resume_from_their_own_checkpoint(
+    name: str, tmp_path: Path, corpus: Path, single_process_curve: dict[int, float]
+) -> None:
+    config = write(
+        tmp_path / f"{name}.yaml", base_config(tmp_path, corpus, name, micro_batch=2, **STRATEGIES[name])
+    )
+    result = torchrun(config)
+    assert result.returncode == 0, result.stderr[-4000:]
+    run_dir = tmp_path / name
+    curve = losses(run_dir)
+    assert sorted(curve) == list(range(1, STEPS + 1))
+    worst = max(abs(curve[s] - single_process_curve[s]) for s in curve)
+    assert worst < TOLERANCE, (name, curve, single_process_curve)
+    assert curve[STEPS] < curve[1] - 0.5  # it learned
+    shares = held_shares(result.stderr)
+    assert sorted(shares) == [0, 1] and all(abs(v - HELD[name]) < 0.01 for v in shares.values()), shares
+
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    engine = "deepspeed" if name.startswith("zero") else name
+    if engine == "fsdp":  # torch DCP: every rank writes its own shard of model and optimizer
+        assert (
+            middle_dir := run_dir / "checkpoints" / f"step-{STEPS // 2}" / "pytorch_model_fsdp_0"
+        ).is_dir()
+        assert len(list(middle_dir.glob("*.distcp"))) == 2
+    assert manifest["distributed"]["engine"] == engine and manifest["distributed"]["world_size"] == 2
+    middle = run_dir / "checkpoints" / f"step-{STEPS // 2}"
+    assert check_checkpoint(middle).complete
+    writer = json.loads((middle / "lmforge_writer.json").read_text())
+    assert (writer["engine"], writer["world_size"]) == (engine, 2)
+    if engine == "deepspeed":
+        stage = int(name[-1])
+        assert writer["zero_stage"] == stage
+        resolved = json.loads((run_dir / "deepspeed_config.json").read_text())
+        assert resolved["zero_optimization"]["stage"] == stage and "train_batch_size" not in resolved
+        # Each rank's optimizer-state partition is in the checkpoint.
+        shards = sorted(p.name for p in (middle / f"global_step{STEPS // 2}").glob("*optim_states.pt"))
+        assert len(shards) == 2, shards
+    # final/ holds the whole trained model, the same weights the last sharded checkpoint holds.
+    final = load_file(run_dir / "final" / "model.safetensors")
+    last = run_dir / "checkpoints" / f"step-{STEPS}"
+    if engine != "ddp":  # sharded: the toolkit puts the shards back together
+        consolidate(last, tmp_path / "consolidated", config_dir=run_dir / "final")
+        last = tmp_path / "consolidated"
+    consolidated = load_file(last / "model.safetensors")
+    assert sorted(final) == sorted(consolidated)
+    assert all(torch.equal(final[k], consolidated[k]) for k in final)
+
+    # Resume a second run from the middle checkpoint: steps 5..8 continue the same curve.
+    resumed_config = dict(yaml.safe_load(config.read_text()))
+    resumed_config["run"] = {**resumed_config["run"], "name": f"{name}-resumed"}
+    resumed_config["train"] = {**resumed_config["train"], "resume": str(middle)}
+    resumed = torchrun(write(tmp_path / "resumed.yaml", resumed_config))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    again = losses(tmp_path / f"{name}-resumed")
+    assert sorted(again) == list(range(STEPS // 2 + 1, STEPS + 1))
+    assert max(abs(again[s] - curve[s]) for s in again) < TOLERANCE, (again, curve)
+
+
+def test_a_sharded_checkpoint_refuses_another_world_size_and_says_how(tmp_path: Path, corpus: Path) -> None:
+    config = base_config(tmp_path, corpus, "zero2", micro_batch=2, strategy="deepspeed", zero_stage=2)
+    config["train"] = {**config["train"], "max_steps": 2, "save_every": 2}
+    result = torchrun(write(tmp_path / "zero2.yaml", config))
+    assert result.returncode == 0, result.stderr[-4000:]
+    checkpoint = tmp_path / "zero2" / "checkpoints" / "step-2"
+    config["train"] = {**config["train"], "max_steps": 4, "resume": str(checkpoint)}
+    config["run"] = {**config["run"], "name": "one-process"}
+    single = run_cli("train", str(write(tmp_path / "one.yaml", config)))
+    assert single.returncode == 2, single.stderr[-3000:]
+    assert "deepspeed ZeRO-2 on 2 process(es)" in single.stderr
+    assert "deepspeed ZeRO-2 on 1 process(es)" in single.stderr
+    assert "lmforge ckpt consolidate" in single.stderr and "--nproc-per-node" in single.stderr
+    shutil.rmtree(tmp_path / "zero2")
+
+
+def test_deepspeed_stops_on_a_nan_step_at_its_last_good_checkpoint(tmp_path: Path, corpus: Path) -> None:
+    """DeepSpeed applies the update inside backward: skip cannot drop it, so the run stops (exit 3)
+    naming the newest complete checkpoint, and writes no checkpoint of the damaged state."""
+    config = base_config(tmp_path, corpus, "nan", micro_batch=2, strategy="deepspeed", zero_stage=2)
+    config["train"] = {**config["train"], "max_steps": 5, "save_every": 2}
+    config["debug"] = {"faults": [{"kind": "nan", "step": 3, "rank": 1}]}
+    result = torchrun(write(tmp_path / "nan.yaml", config))
+    assert result.returncode != 0
+    assert "nonfinite=skip and spike=skip act as stop" in result.stderr
+    assert "the last good state is checkpoints/step-2" in result.stderr
+    events = [
+        json.loads(line)
+        for f in (tmp_path / "nan" / "events").glob("*.jsonl")
+        for line in f.read_text().splitlines()
+    ]
+    assert [(e["kind"], e["step"]) for e in events if e["kind"] in ("nonfinite", "stopped")] == [
+        ("nonfinite", 3),
+        ("stopped", 3),
+    ]
+    assert sorted(p.name for p in (tmp_path / "nan" / "checkpoints").glob("step-*")) == ["step-2"]
+
+
+@pytest.mark.integration  # DeepSpeed JIT-compiles its CPU Adam on first use: ~2.5 minutes here
+def test_zero3_with_optimizer_and_parameter_offload_matches_one_process(
+    tmp_path: Path, corpus: Path, single_process_curve: dict[int, float]
+) -> None:
+    config = base_config(
+        tmp_path,
+        corpus,
+        "offload",
+        micro_batch=2,
+        strategy="deepspeed",
+        zero_stage=3,
+        offload="optimizer+params",
+    )
+    result = torchrun(write(tmp_path / "offload.yaml", config))
+    assert result.returncode == 0, result.stderr[-4000:]
+    resolved = json.loads((tmp_path / "offload" / "deepspeed_config.json").read_text())
+    assert resolved["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert resolved["optimizer"]["type"] == "AdamW"
+    curve = losses(tmp_path / "offload")
+    assert max(abs(curve[s] - single_process_curve[s]) for s in curve) < TOLERANCE, (
+        curve,
+        single_process_curve,
+    )

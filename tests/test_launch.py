@@ -1,0 +1,435 @@
+"""`lmforge launch`: dry-run commands per mode, the sbatch script, and real gloo launches on CPU
+(2 workers, a crashed worker, a SIGKILLed worker, two nodes on one machine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import yaml
+
+from lmforge.distributed.launch import (
+    LaunchRequest,
+    check_request,
+    failure_exit_code,
+    failure_lines,
+    plan_launch,
+)
+from lmforge.errors import UserInputError
+from tests.conftest import SMALL_ARCH, run_cli
+
+# A dead worker must end the launch well within this (agent check 0.1 s, then SIGTERM, SIGKILL after 30 s).
+FAILURE_TIMEOUT_S = 120
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def write_config(tmp_path: Path, corpus: Path, *, max_steps: int = 6, **train: Any) -> Path:
+    cfg = {
+        "run": {"name": "run", "output_dir": str(tmp_path / "runs"), "seed": 0},
+        "model": {"preset": "llama-tiny", "config": SMALL_ARCH},
+        "tokenizer": {"train": {"vocab_size": 300}},
+        "data": {"train": [{"path": str(corpus)}], "max_length": 64, "cache_dir": str(tmp_path / "cache")},
+        "train": {
+            "max_steps": max_steps,
+            "micro_batch_size": 4,
+            "lr": 3e-3,
+            "precision": "fp32",
+            "log_every": 1,
+            "warmup_steps": 0,
+            **train,
+        },
+        "monitor": {"loggers": []},
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "lmforge.cli.main", "launch", *args]
+
+
+def dry_run(cfg: Path, *args: str) -> list[str]:
+    """The dry-run's command line, split into words (and check nothing ran)."""
+    result = run_cli("launch", str(cfg), *args, "--dry-run", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert not (cfg.parent / "runs" / "run").exists()
+    return shlex.split(result.stdout.strip().splitlines()[-1])
+
+
+def flags(words: list[str]) -> dict[str, str]:
+    return {w: words[i + 1] for i, w in enumerate(words[:-1]) if w.startswith("--")}
+
+
+# -- dry runs ---------------------------------------------------------------------------------
+
+
+def test_dry_run_torchrun_single_node(tmp_path: Path, corpus: Path) -> None:
+    cfg = write_config(tmp_path, corpus)
+    result = run_cli("launch", str(cfg), "train.lr=1e-3", "--nproc-per-node", "2", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    words = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert words[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert words[-5:] == ["-m", "lmforge.cli.main", "train", str(cfg), "train.lr=1e-3"]
+    got = flags(words)
+    assert got["--nnodes"] == "1" and got["--nproc-per-node"] == "2"
+    assert got["--master-addr"] == "127.0.0.1" and got["--master-port"] == "29500"
+    assert got["--node-rank"] == "0" and float(got["--monitor-interval"]) <= 0.5
+    assert not (tmp_path / "runs" / "run").exists()
+
+
+def test_dry_run_sets_omp_threads_when_unset(tmp_path: Path, corpus: Path) -> None:
+    cfg = write_config(tmp_path, corpus)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    result = subprocess.run(
+        launch_cmd(str(cfg), "--nproc-per-node", "2", "--dry-run"), env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    cores = len(os.sched_getaffinity(0))
+    assert f"export OMP_NUM_THREADS={max(1, cores // 2)}" in result.stdout.splitlines()
+    assert "OMP_NUM_THREADS was unset" in result.stdout
+
+
+def test_dry_run_torchrun_static_multi_node(tmp_path: Path, corpus: Path) -> None:
+    cfg = write_config(tmp_path, corpus)
+    words = dry_run(
+        cfg, "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.2.3", "--master-port", "29411"
+    )
+    got = flags(words)
+    assert (got["--nnodes"], got["--node-rank"]) == ("2", "1")
+    assert (got["--master-addr"], got["--master-port"]) == ("10.1.2.3", "29411")
+    assert "--rdzv-backend" not in got
+
+
+def test_dry_run_torchrun_elastic(tmp_path: Path, corpus: Path) -> None:
+    cfg = write_config(tmp_path, corpus)
+    words = dry_run(
+        cfg, "--nnodes", "1:4", "--max-restarts", "3", "--master-addr", "10.1.2.3", "--master-port", "29411",
+        "--nproc-per-node", "2",
+    )  # fmt: skip
+    got = flags(words)
+    assert got["--nnodes"] == "1:4" and got["--max-restarts"] == "3"
+    assert got["--rdzv-backend"] == "c10d" and got["--rdzv-endpoint"] == "10.1.2.3:29411"
+    assert got["--rdzv-id"] == "lmforge-run"
+    assert "--node-rank" not in got and "--master-addr" not in got
+    words = dry_run(
+        cfg, "--max-restarts", "1", "--rdzv-endpoint", "h:1234", "--rdzv-id", "job7", "--nproc-per-node", "1"
+    )
+    assert (flags(words)["--rdzv-endpoint"], flags(words)["--rdzv-id"]) == ("h:1234", "job7")
+
+
+def test_dry_run_deepspeed(tmp_path: Path, corpus: Path) -> None:
+    cfg = write_config(tmp_path, corpus)
+    words = dry_run(cfg, "--backend", "deepspeed", "--nproc-per-node", "2")
+    assert words[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"]
+    got = flags(words)
+    assert (got["--num_gpus"], got["--num_nodes"]) == ("2", "1")
+    assert (got["--master_addr"], got["--master_port"]) == ("127.0.0.1", "29500")
+    assert words[-4:] == ["--module", "lmforge.cli.main", "train", str(cfg)]
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-0 slots=2\nnode-1 slots=2\n")
+    words = dry_run(cfg, "--backend", "deepspeed", "--nproc-per-node", "2", "--nnodes", "2",
+                    "--master-addr", "node-0", "--hostfile", str(hostfile))  # fmt: skip
+    got = flags(words)
+    assert (got["--num_nodes"], got["--hostfile"], got["--master_addr"]) == ("2", str(hostfile), "node-0")
+    assert "--no_ssh" not in words  # started over ssh from this node; with --node-rank: by hand on each
+
+
+def test_the_launchers_own_parsers_accept_the_commands(tmp_path: Path) -> None:
+    """torchrun's and deepspeed's argument parsers read what lmforge builds, flag for flag."""
+    from deepspeed.launcher.runner import parse_args as deepspeed_parse
+    from torch.distributed.run import parse_args as torchrun_parse
+
+    base: dict[str, Any] = {
+        "config": Path("cfg.yaml"),
+        "overrides": ["train.lr=1e-3"],
+        "run_name": "run",
+        "nproc_per_node": 2,
+    }
+    elastic = plan_launch(LaunchRequest(**base, nnodes="1:4", max_restarts=3, master_addr="h", master_port=7))
+    args = torchrun_parse(elastic.launcher_args)
+    assert (args.nnodes, args.nproc_per_node, args.max_restarts) == ("1:4", "2", 3)
+    assert (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == ("c10d", "h:7", "lmforge-run")
+    assert (args.module, args.training_script) == (True, "lmforge.cli.main")
+    assert args.training_script_args == ["train", "cfg.yaml", "train.lr=1e-3"]
+    static = torchrun_parse(plan_launch(LaunchRequest(**base, nnodes="2", node_rank=1)).launcher_args)
+    assert (static.node_rank, static.master_addr, static.master_port, static.rdzv_backend) == (
+        1,
+        "127.0.0.1",
+        29500,
+        "static",
+    )
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("n0 slots=2\nn1 slots=2\n")
+    plan = plan_launch(LaunchRequest(**base, backend="deepspeed", nnodes="2", node_rank=1, hostfile=hostfile))
+    ds = deepspeed_parse(plan.launcher_args)
+    assert (ds.num_gpus, ds.num_nodes, ds.hostfile, ds.no_ssh, ds.node_rank) == (2, 2, str(hostfile), True, 1)
+    assert ds.no_local_rank  # `lmforge train` reads LOCAL_RANK from the environment
+    assert (ds.module, ds.user_script, ds.user_args) == (
+        True,
+        "lmforge.cli.main",
+        ["train", "cfg.yaml", "train.lr=1e-3"],
+    )
+
+
+def test_failure_summary_puts_the_root_cause_first(tmp_path: Path) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    def error_file(name: str, message: str) -> str:
+        path = tmp_path / name
+        data = {"message": {"message": message, "extraInfo": {"py_callstack": "...", "timestamp": "0"}}}
+        path.write_text(json.dumps(data))
+        os.utime(path, (1.0, 1.0))  # written before the kill was noticed: time alone would blame it
+        return str(path)
+
+    peer = error_file("peer.json", "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+    killed = ProcessFailure(local_rank=1, pid=11, exitcode=-9, error_file=str(tmp_path / "none.json"))
+    err = ChildFailedError("train", {0: ProcessFailure(0, 10, 1, peer), 1: killed})
+    assert failure_lines(err) == [
+        "rank 1 (local 1) failed with exit code -9 (killed by SIGKILL): Signal 9 (SIGKILL) received by PID 11",
+        "rank 0 (local 0) failed with exit code 1: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1",
+    ]
+    assert failure_exit_code(err) == 128 + 9
+    guard = ProcessFailure(0, 12, 3, error_file("guard.json", "TrainingStopped: 3 bad steps in a row"))
+    assert failure_exit_code(ChildFailedError("train", {0: guard})) == 3
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"nnodes": "2", "node_rank": 2}, "--node-rank 2: must be in 0..1"),
+        ({"master_port": 0}, "--master-port 0"),
+        ({"nnodes": "4:2"}, "--nnodes '4:2'"),
+        ({"nnodes": "two"}, "--nnodes 'two'"),
+        ({"nproc_per_node": 0}, "--nproc-per-node 0"),
+        ({"backend": "deepspeed", "nnodes": "2"}, "needs --hostfile"),
+        ({"backend": "deepspeed", "max_restarts": 2}, "no elastic mode"),
+        ({"nnodes": "1:2", "node_rank": 1}, "drop --node-rank"),
+        ({"nnodes": "1:2", "rdzv_backend": "static"}, "needs --rdzv-backend c10d"),
+    ],
+)
+def test_bad_option_combinations_say_the_fix(options: dict[str, Any], message: str) -> None:
+    base: dict[str, Any] = {
+        "config": Path("cfg.yaml"),
+        "overrides": [],
+        "run_name": "run",
+        "nproc_per_node": 1,
+    }
+    request = LaunchRequest(**{**base, **options})
+    with pytest.raises(UserInputError, match=re.escape(message)):
+        check_request(request)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--nnodes", "2", "--node-rank", "2", "--master-port", "0"],
+            "bad launch options:\n  --master-port 0",
+        ),
+        (["--backend", "mpi"], "--backend 'mpi'"),
+        (["train.nope=1"], "train.nope"),
+    ],
+)
+def test_bad_options_exit_2(tmp_path: Path, corpus: Path, args: list[str], message: str) -> None:
+    cfg = write_config(tmp_path, corpus)
+    result = run_cli("launch", str(cfg), *args, "--nproc-per-node", "1", "--dry-run")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("error: ") and message in result.stderr, result.stderr
+
+
+def test_slurm_script(tmp_path: Path, corpus: Path) -> None:
+    cfg = write_config(tmp_path, corpus)
+    result = run_cli("launch", str(cfg), "train.lr=1e-3", "--nnodes", "2", "--nproc-per-node", "4", "--slurm")
+    assert result.returncode == 0, result.stderr
+    script = tmp_path / "runs" / "run.sbatch"
+    assert f"wrote {script}" in result.stdout and f"sbatch {script}" in result.stdout
+    text = script.read_text()
+    for line in (
+        "#SBATCH --job-name=run",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=4",
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+    ):
+        assert line in text.splitlines(), line
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    inner = shlex.split(srun)[-1]  # what bash -c runs on each node
+    assert '--nnodes "$SLURM_NNODES"' in inner and '--node-rank "$SLURM_NODEID"' in inner
+    assert '--master-addr "$MASTER_ADDR"' in inner and "--nproc-per-node 4" in inner
+    assert inner.endswith(f"-m lmforge.cli.main train {cfg.resolve()} train.lr=1e-3")
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    assert not (tmp_path / "runs" / "run").exists()
+
+    elastic = run_cli("launch", str(cfg), "--nnodes", "1:4", "--max-restarts", "2", "--slurm", "--dry-run")
+    assert elastic.returncode == 0, elastic.stderr
+    assert "#SBATCH --nodes=1-4" in elastic.stdout
+    assert (
+        '--rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR":29500 --rdzv-id "$SLURM_JOB_ID"' in elastic.stdout
+    )
+
+
+def test_help_has_an_example() -> None:
+    result = run_cli("launch", "--help")
+    assert result.returncode == 0 and "Example: lmforge launch" in result.stdout
+
+
+# -- real launches (gloo on CPU) --------------------------------------------------------------
+
+
+def assert_trained(run_dir: Path, steps: int) -> None:
+    assert (run_dir / "final" / "config.json").is_file()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r][-1] == steps
+
+
+def test_two_workers_train(tmp_path: Path, corpus: Path) -> None:
+    cfg = write_config(tmp_path, corpus)
+    port = str(free_port())
+    result = run_cli("launch", str(cfg), "--nproc-per-node", "2", "--master-port", port, env=ENV, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_trained(tmp_path / "runs" / "run", 6)
+
+
+def test_deepspeed_launcher_trains(tmp_path: Path, corpus: Path) -> None:
+    cfg = write_config(tmp_path, corpus)
+    port = str(free_port())
+    result = run_cli(
+        "launch", str(cfg), "--backend", "deepspeed", "--nproc-per-node", "2", "--master-port", port,
+        env=ENV, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_trained(tmp_path / "runs" / "run", 6)
+
+
+def test_crashed_worker_ends_the_launch_naming_rank_and_error(tmp_path: Path, corpus: Path) -> None:
+    cfg = write_config(tmp_path, corpus, max_steps=200)
+    fault = "debug.faults=[{kind: crash, step: 3, rank: 1}]"
+    start = time.monotonic()
+    result = run_cli(
+        "launch", str(cfg), fault, "--nproc-per-node", "2", "--master-port", str(free_port()), env=ENV,
+        timeout=FAILURE_TIMEOUT_S + 60,
+    )  # fmt: skip
+    elapsed = time.monotonic() - start
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert elapsed < FAILURE_TIMEOUT_S
+    summary = result.stderr[result.stderr.index("error: distributed training failed") :]
+    first = summary.splitlines()[1].strip()
+    assert (
+        first
+        == "rank 1 (local 1) failed with exit code 1: RuntimeError: debug.faults: simulated crash on rank 1 at step 3"
+    )
+
+
+def test_killed_worker_ends_the_launch_naming_rank_and_signal(tmp_path: Path, corpus: Path) -> None:
+    cfg = write_config(tmp_path, corpus, max_steps=5000)
+    metrics = tmp_path / "runs" / "run" / "metrics.jsonl"
+    cmd = launch_cmd(str(cfg), "--nproc-per-node", "2", "--master-port", str(free_port()))
+    launcher = subprocess.Popen(
+        cmd, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no step logged"
+            time.sleep(0.2)
+        workers = {
+            p.environ().get("RANK"): p
+            for p in psutil.Process(launcher.pid).children(recursive=True)
+            if "train" in p.cmdline()
+        }
+        killed_at = time.monotonic()
+        workers["1"].kill()
+        _, stderr = launcher.communicate(timeout=FAILURE_TIMEOUT_S)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert time.monotonic() - killed_at < FAILURE_TIMEOUT_S
+    assert launcher.returncode == 128 + 9, stderr[-3000:]
+    summary = stderr[stderr.index("error: distributed training failed") :]
+    assert "rank 1 (local 1) failed with exit code -9 (killed by SIGKILL)" in summary.splitlines()[1], summary
+
+
+def test_elastic_restart_resumes_from_the_newest_checkpoint(tmp_path: Path, corpus: Path) -> None:
+    """--max-restarts 1: a worker killed mid-run restarts the group, which resumes and finishes."""
+    steps = 60
+    cfg = write_config(tmp_path, corpus, max_steps=steps, save_every=2)
+    run_dir = tmp_path / "runs" / "run"
+    cmd = launch_cmd(
+        str(cfg), "--nproc-per-node", "2", "--max-restarts", "1", "--master-port", str(free_port())
+    )
+    launcher = subprocess.Popen(
+        cmd, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "checkpoints" / "step-4").is_dir():
+            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint written"
+            time.sleep(0.2)
+        workers = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "train" in p.cmdline()]
+        next(p for p in workers if p.environ().get("RANK") == "1").kill()
+        _, stderr = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, stderr[-3000:]
+    assert "resuming from" in stderr
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == sorted(set(logged)) and logged[-1] == steps  # no step twice, across the restart
+    assert_trained(run_dir, steps)
+
+
+def test_two_nodes_on_one_machine(tmp_path: Path, corpus: Path) -> None:
+    cfg = write_config(tmp_path, corpus)
+    port = str(free_port())
+    nodes = [
+        subprocess.Popen(
+            launch_cmd(
+                str(cfg),
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(rank),
+                "--nproc-per-node",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+            ),  # fmt: skip
+            env={**os.environ, **ENV},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+    for node, (_, stderr) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, stderr[-3000:]
+    assert_trained(tmp_path / "runs" / "run", 6)
