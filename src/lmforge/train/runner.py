@@ -1,7 +1,9 @@
 """`lmforge train`: one training job in this process, from config to `final/`.
 
-The flow reads top to bottom: decide whether to resume, claim the run directory,
-get the tokenizer, prepare the data, build the model, train with HF Trainer, save.
+The flow reads top to bottom: choose the engine (one process, DDP, FSDP or DeepSpeed), decide
+whether to resume, claim the run directory, get the tokenizer, prepare the data, build the
+model, train with HF Trainer, save. Under `lmforge launch` every worker runs this; rank 0 sets
+the run directory up and writes the shared files.
 """
 
 from __future__ import annotations
@@ -69,26 +71,7 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
     log.info("distributed: %s", plan.describe())
     paths = RunPaths(cfg.run.dir)
     metrics = MetricsLog(paths.metrics)
-    with main_first(world):  # rank 0 sets the run directory and the data cache up, then the others read them
-        resume = resolve_resume(cfg.train.resume, paths)
-        check_resume_world(resume, plan)
-        if world.is_main:
-            claim_run_dir(paths, resuming=resume is not None, overwrite=cfg.run.overwrite)
-        set_seed(cfg.run.seed)
-        tokenizer, data = prepare_data_for_run(cfg, paths, write_report=world.is_main)
-        if world.is_main:
-            write_resolved_config(cfg, paths)
-            write_manifest(
-                paths,
-                data_fingerprint=data.fingerprint,
-                tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-                distributed=plan.summary(),
-            )
-            if plan.deepspeed is not None:
-                write_resolved(plan.deepspeed, paths.root / "deepspeed_config.json")
-            if resume is not None:
-                dropped = metrics.truncate_after(resume.step)
-                log.info("resuming from %s (%d metric records after it dropped)", resume.path, dropped)
+    resume, tokenizer, data = _set_up_run(cfg, plan, paths, metrics)
 
     head: Head = "score" if cfg.train.stage == "rm" else "causal"
     model: Any = build_model(
@@ -171,6 +154,36 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
         summary=summary,
         export=export,
     )
+
+
+def _set_up_run(
+    cfg: LmforgeConfig, plan: Plan, paths: RunPaths, metrics: MetricsLog
+) -> tuple[CheckpointStatus | None, PreTrainedTokenizerBase, RunData]:
+    """Decide whether to resume, claim the run directory, get the tokenizer and the data, write
+    config.yaml and manifest.json. Rank 0 goes first and writes; the other ranks then read the
+    run directory and the data cache it filled."""
+    world = plan.world
+    with main_first(world):
+        resume = resolve_resume(cfg.train.resume, paths)
+        check_resume_world(resume, plan)
+        if world.is_main:
+            claim_run_dir(paths, resuming=resume is not None, overwrite=cfg.run.overwrite)
+        set_seed(cfg.run.seed)
+        tokenizer, data = prepare_data_for_run(cfg, paths, write_report=world.is_main)
+        if world.is_main:
+            write_resolved_config(cfg, paths)
+            write_manifest(
+                paths,
+                data_fingerprint=data.fingerprint,
+                tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+                distributed=plan.summary(),
+            )
+            if plan.deepspeed is not None:
+                write_resolved(plan.deepspeed, paths.root / "deepspeed_config.json")
+            if resume is not None:
+                dropped = metrics.truncate_after(resume.step)
+                log.info("resuming from %s (%d metric records after it dropped)", resume.path, dropped)
+    return resume, tokenizer, data
 
 
 def _train_and_export(
