@@ -19,7 +19,12 @@ import torch
 from lmforge.ckpt.atomic import CheckpointStatus
 from lmforge.config import LmforgeConfig
 from lmforge.config.schema import DistributedConfig
-from lmforge.distributed.deepspeed_config import generated_config, read_user_config, resolve_user_config
+from lmforge.distributed.deepspeed_config import (
+    generated_config,
+    read_user_config,
+    resolve_user_config,
+    zero_stage_of,
+)
 from lmforge.distributed.ranks import World, current_world
 from lmforge.errors import UserInputError
 
@@ -51,20 +56,18 @@ class Plan:
 
     def summary(self) -> dict[str, Any]:
         """What manifest.json and every checkpoint record of the engine that wrote them."""
-        stage = (self.deepspeed or {}).get("zero_optimization", {}).get("stage") if self.deepspeed else None
         return {
             "engine": self.engine,
             "world_size": self.world.size,
-            "zero_stage": stage,
+            "zero_stage": zero_stage_of(self.deepspeed) if self.deepspeed is not None else None,
             "offload": self.settings.offload if self.engine in ("deepspeed", "fsdp") else "none",
             "reason": self.reason,
         }
 
     def describe(self) -> str:
         if self.engine == "deepspeed":
-            stage = (self.deepspeed or {}).get("zero_optimization", {}).get("stage", 0)
             offload = f", offload {self.settings.offload}" if self.settings.offload != "none" else ""
-            name = f"deepspeed ZeRO-{stage}{offload}"
+            name = f"deepspeed ZeRO-{self.summary()['zero_stage']}{offload}"
         elif self.engine == "fsdp" and self.settings.offload != "none":
             name = "fsdp (FSDP2 full shard, CPU offload)"
         else:
