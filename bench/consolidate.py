@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,25 +26,15 @@ import time
 from pathlib import Path
 
 from sft_prepare import _peak_rss_mib, measure
+from side_by_side import medians_by_side, random_llama
 
 
 def write_checkpoint(out: str, hidden: int, layers: int) -> None:
     """Runs on each torchrun rank: one ZeRO-3 step, then save_checkpoint (no gathered weights)."""
     import deepspeed
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=hidden * 8 // 3,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=hidden // 64,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
+    model = random_llama(hidden, layers)
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -53,13 +42,13 @@ def write_checkpoint(out: str, hidden: int, layers: int) -> None:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    batch = torch.randint(0, config.vocab_size, (1, 16))
+    batch = torch.randint(0, model.config.vocab_size, (1, 16))
     loss = engine(input_ids=batch, labels=batch).loss
     engine.backward(loss)
     engine.step()
     engine.save_checkpoint(out)
     if torch.distributed.get_rank() == 0:
-        config.save_pretrained(out)  # where lmforge looks for config.json: next to `latest`
+        model.config.save_pretrained(out)  # where lmforge looks for config.json: next to `latest`
         parameters = sum(p.ds_numel for p in model.parameters())  # ZeRO-3 keeps the full size here
         Path(out, "parameters.json").write_text(json.dumps({"parameters": parameters}))
 
@@ -139,15 +128,7 @@ def main() -> None:
                 runs[side].append(measure(target, str(ckpt), str(root / f"{side}{repeat}")))
         check = measure(compare, str(root / "deepspeed0"), str(root / "lmforge0"))
         print(f"outputs identical: {check['identical']} ({check['tensors']} tensors)")
-        medians = {}
-        for side, results in runs.items():
-            seconds = statistics.median(r["seconds"] for r in results)
-            rss = statistics.median(r["peak_rss_mib"] for r in results)
-            medians[side] = (seconds, rss)
-            print(
-                f"{side:9}: {seconds:6.1f} s  runs={[round(r['seconds'], 1) for r in results]}  "
-                f"peak RSS {rss:,.0f} MiB  runs={[round(r['peak_rss_mib']) for r in results]}"
-            )
+        medians = medians_by_side(runs, width=9)
         print(
             f"lmforge / zero_to_fp32: time {medians['lmforge'][0] / medians['deepspeed'][0]:.2f}x (goal <= 1.0x), "
             f"peak RSS {medians['lmforge'][1] / medians['deepspeed'][1]:.2f}x (goal <= 0.5x)"

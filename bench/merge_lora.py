@@ -11,12 +11,12 @@ RSS (ru_maxrss). Runs alternate.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from sft_prepare import _peak_rss_mib, measure
+from side_by_side import medians_by_side, random_llama
 
 
 def run_peft(base: str, adapter: str, out: str, queue) -> None:  # type: ignore[no-untyped-def]
@@ -42,19 +42,8 @@ def make_base_and_adapter(root: str, hidden: int, layers: int, shard_size: str, 
     would lend its peak to every measured child."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=hidden * 8 // 3,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=hidden // 64,
-        vocab_size=32000,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
+    model = random_llama(hidden, layers)
     model.save_pretrained(Path(root) / "base", max_shard_size=shard_size)
     peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
     with torch.no_grad():
@@ -81,15 +70,7 @@ def main() -> None:
         for repeat in range(opts.repeats):
             runs["peft"].append(measure(run_peft, str(base), str(adapter), str(root / f"peft{repeat}")))
             runs["lmforge"].append(measure(run_lmforge, str(base), str(adapter), str(root / f"lm{repeat}")))
-        medians = {}
-        for side, results in runs.items():
-            seconds = statistics.median(r["seconds"] for r in results)
-            rss = statistics.median(r["peak_rss_mib"] for r in results)
-            medians[side] = (seconds, rss)
-            print(
-                f"{side:8}: {seconds:6.1f} s  runs={[round(r['seconds'], 1) for r in results]}  "
-                f"peak RSS {rss:,.0f} MiB  runs={[round(r['peak_rss_mib']) for r in results]}"
-            )
+        medians = medians_by_side(runs, width=8)
         print(
             f"lmforge / PEFT: time {medians['lmforge'][0] / medians['peft'][0]:.2f}x (goal <= 1.0x), "
             f"peak RSS {medians['lmforge'][1] / medians['peft'][1]:.2f}x (goal <= 0.5x)"
