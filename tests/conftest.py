@@ -42,6 +42,18 @@ def run_cli(
     )
 
 
+def reseal(checkpoint: Path) -> None:
+    """Recompute a checkpoint's hash manifest and marker after editing it, as anyone who can
+    write the run directory could: the checkpoint then passes every hash check."""
+    from lmforge.ckpt.atomic import MARKER_NAME, commit_checkpoint
+
+    step = int(checkpoint.name.split("-")[1])
+    (checkpoint / MARKER_NAME).unlink()
+    staging = checkpoint.with_name(f".{checkpoint.name}")
+    checkpoint.rename(staging)
+    commit_checkpoint(staging, checkpoint, step=step)
+
+
 # A small vocabulary: tiny models learn it within a few steps, so loss curves move visibly.
 WORDS = "the cat sat on a mat while one dog ran to the big red barn and two birds sang".split()  # noqa: SIM905
 

@@ -123,11 +123,13 @@ def test_glob_and_directory_resolve_sorted_supported_files(tmp_path: Path) -> No
         tmp_path / "a.txt",
         tmp_path / "b.txt",
     ]
+    # A directory reads its data files; .md files there are documentation unless named.
     found = resolve_files(SourceConfig(path=str(tmp_path)))
-    assert found == sorted(tmp_path / n for n in ["a.txt", "b.txt", "sub/c.jsonl", "sub/deeper/d.md"])
+    assert found == sorted(tmp_path / n for n in ["a.txt", "b.txt", "sub/c.jsonl"])
     recursive = resolve_files(SourceConfig(path=str(tmp_path / "**" / "*.jsonl")))
     assert recursive == [tmp_path / "sub" / "c.jsonl"]
-    assert read(tmp_path)[1].documents == 4
+    assert resolve_files(SourceConfig(path=str(tmp_path / "**" / "*.md"))) == [tmp_path / "sub/deeper/d.md"]
+    assert read(tmp_path)[1].documents == 3
 
 
 def test_missing_path_and_empty_glob_say_what_was_searched(tmp_path: Path) -> None:

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from lmforge.config.redact import REDACTED
-from lmforge.train.rundir import RunPaths, claim_run_dir, write_manifest
+from lmforge.config.schema import TrainConfig
+from lmforge.train.run_start import decide_start
+from lmforge.train.rundir import RunPaths, write_manifest
 
 
 def test_manifest_records_provenance_and_redacts_secrets_from_the_command(
@@ -32,5 +34,6 @@ def test_prepared_but_untrained_directory_can_be_claimed(tmp_path: Path) -> None
     paths = RunPaths(tmp_path / "run")
     paths.root.mkdir()
     paths.data_report.write_text("{}")  # what `lmforge prepare` leaves
-    claim_run_dir(paths, resuming=False, overwrite=False)
+    start = decide_start(TrainConfig(), paths, overwrite=False, act=True)
+    assert start.resume is None and start.set_aside is None and start.finished is None
     assert paths.data_report.exists()

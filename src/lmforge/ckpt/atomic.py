@@ -47,6 +47,21 @@ def write_hash_manifest(directory: Path, *, step: int) -> dict:
     return manifest
 
 
+def remove_within(path: Path, root: Path) -> None:
+    """Delete `path` (a file or a directory tree), only if it lies strictly inside `root`.
+
+    Every delete lmforge does goes through here, so that no name, symlink or `..` can turn a
+    clean-up into the loss of a user's files elsewhere. A symlink is removed, never followed."""
+    anchor = root.resolve()
+    parent = path.parent.resolve()  # the link itself, not what it points to, is the entry deleted
+    if parent != anchor and anchor not in parent.parents:
+        raise RuntimeError(f"refusing to delete {path}: it is not inside {root}")
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
 def check_out_path(out: Path, *inputs: Path) -> None:
     """Refuse an output directory that is, contains or lies inside an input: writing it
     (staging, then replacing `out`) would destroy the input."""
@@ -78,7 +93,7 @@ def commit_checkpoint(staging: Path, final: Path, *, step: int, durable: bool = 
         # the new one still appears with a single rename.
         trash = final.with_name(f".old-{final.name}-{os.getpid()}")
         os.rename(final, trash)
-        shutil.rmtree(trash)
+        remove_within(trash, final.parent)
     os.rename(staging, final)
     _fsync_path(final.parent)
     return final
@@ -143,7 +158,7 @@ def rotate_checkpoints(checkpoints_dir: Path, keep_last: int, keep: set[str] | N
     complete = [d for d in list_step_dirs(checkpoints_dir) if (d / MARKER_NAME).is_file()]
     doomed = [d for d in complete[keep_last:] if d.name not in (keep or set())]
     for directory in doomed:
-        shutil.rmtree(directory)
+        remove_within(directory, checkpoints_dir)
     return doomed
 
 

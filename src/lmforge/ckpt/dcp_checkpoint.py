@@ -1,7 +1,7 @@
 """torch DCP (FSDP) checkpoints: metadata read under an allow-list, model keys, lazy tensor reads.
 
 torch's own FileSystemReader unpickles the .metadata file with a plain `pickle.load`; here it is
-unpickled by _MetadataUnpickler, which admits only torch's metadata dataclasses, and the reader
+unpickled by MetadataUnpickler, which admits only torch's metadata dataclasses, and the reader
 is handed that result. Tensors are then loaded one at a time, so memory stays near the largest.
 """
 
@@ -28,7 +28,7 @@ def _safe_layout(name: str) -> torch.layout:
     return layout
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class MetadataUnpickler(pickle.Unpickler):
     """DCP's .metadata is a pickle of torch's own metadata dataclasses: allow those and nothing else."""
 
     _ALLOWED = {
@@ -61,7 +61,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 def read_dcp_metadata(path: Path) -> Any:
     """The Metadata of a DCP directory, unpickled under an allow-list."""
     try:
-        return _MetadataUnpickler(io.BytesIO((path / ".metadata").read_bytes())).load()
+        return MetadataUnpickler(io.BytesIO((path / ".metadata").read_bytes())).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as err:
         raise UserInputError(f"{path / '.metadata'}: not DCP metadata lmforge can read ({err})") from None
 

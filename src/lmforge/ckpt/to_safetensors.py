@@ -18,6 +18,7 @@ import torch
 
 from lmforge.ckpt.atomic import check_out_path
 from lmforge.ckpt.convert import Conversion
+from lmforge.ckpt.safe_load import refused_pickle_reason
 from lmforge.ckpt.safetensors_stream import (
     CODES,
     DTYPES,
@@ -264,11 +265,10 @@ class BinSource(TensorSource):
         try:
             state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except pickle.UnpicklingError as err:
-            first = str(err).strip().splitlines()[0]
             raise UserInputError(
-                f"{file}: torch.load(weights_only=True) refused it: it holds Python objects other than "
-                f"tensors ({first}). lmforge never unpickles those; re-save the weights as a plain state "
-                "dict or as safetensors with the code that wrote them"
+                f"{file}: refused: it holds Python objects other than tensors ({refused_pickle_reason(err)}). "
+                "lmforge never unpickles those; re-save the weights as a plain state dict or as safetensors "
+                "with the code that wrote them"
             ) from None
         except RuntimeError as err:
             raise UserInputError(

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lmforge.ckpt.safe_load import refused_pickle_reason
 from lmforge.ckpt.tensor_source import TensorSource
 from lmforge.errors import UserInputError
 
@@ -53,7 +54,7 @@ def load_rank_file(path: Path) -> dict[str, Any]:
             loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except pickle.UnpicklingError as err:
             raise UserInputError(
-                f"{path}: holds an object lmforge does not unpickle ({str(err).splitlines()[0]}); it is not "
+                f"{path}: holds an object lmforge does not unpickle ({refused_pickle_reason(err)}); it is not "
                 "a DeepSpeed rank file lmforge knows. Convert it with DeepSpeed's zero_to_fp32.py only if "
                 "you trust its origin"
             ) from None

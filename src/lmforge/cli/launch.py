@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from lmforge.config.redact import redact_text
 from lmforge.errors import UserInputError
 
 
@@ -110,6 +111,15 @@ def launch(
         raise typer.Exit(2) from None
 
     if slurm:
+        # A secret given as an override never reaches a printed or written script.
+        shown = redact_text(script)
+        if shown != script:
+            typer.echo(
+                "lmforge launch: a secret override was redacted from the script; pass it through the "
+                "environment instead (for example monitor.alerts.webhook_url_env)",
+                err=True,
+            )
+        script = shown
         if dry_run:
             sys.stdout.write(script)
             return

@@ -30,7 +30,13 @@ from lmforge.config import dump_config, load_config
 from lmforge.config.load import schema_rows
 from lmforge.config.redact import redact_text
 from lmforge.distributed.launch import record_worker_errors
-from lmforge.errors import GUARD_STOP_EXIT, ExportVerificationFailed, TrainingStopped, UserInputError
+from lmforge.errors import (
+    GUARD_STOP_EXIT,
+    ExportVerificationFailed,
+    TrainingStopped,
+    UserInputError,
+    WorkFailed,
+)
 
 app = typer.Typer(
     name="lmforge",
@@ -99,7 +105,15 @@ def train(
             "run the same command to resume"
         )
         return
-    console.print(f"[bold green]done[/] {outcome.steps} steps; model in {outcome.final_dir}")
+    if outcome.already_finished:
+        console.print(
+            f"[bold green]already finished[/] at step {outcome.steps}"
+            + (f" (final loss {outcome.last_loss:.4f})" if outcome.last_loss is not None else "")
+            + "; nothing to train. Model in "
+            f"{outcome.final_dir} (raise train.max_steps to continue it, or run.overwrite=true to start over)"
+        )
+    else:
+        console.print(f"[bold green]done[/] {outcome.steps} steps; model in {outcome.final_dir}")
     if outcome.last_eval_ppl is not None:
         console.print(f"eval perplexity: {outcome.first_eval_ppl:.2f} -> {outcome.last_eval_ppl:.2f}")
     elif outcome.last_eval_loss is not None:  # preference stages: their loss is no perplexity
@@ -359,6 +373,9 @@ def main() -> None:
     except ExportVerificationFailed as err:
         sys.stderr.write(f"error: {redact_text(str(err))}\n")
         sys.exit(VERIFY_FAILED)
+    except WorkFailed as err:
+        sys.stderr.write(f"error: {redact_text(str(err))}\n")
+        sys.exit(1)
     except TrainingStopped as err:
         sys.stderr.write(f"stopped by the guardrails: {redact_text(str(err))}\n")
         sys.exit(GUARD_STOP_EXIT)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import typing
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from lmforge.config.cross_checks import cross_section_problems
+from lmforge.config.redact import remember_config_secrets
 from lmforge.config.schema import LmforgeConfig
 from lmforge.errors import UserInputError
 
@@ -90,20 +92,65 @@ def load_config(
         raise UserInputError(
             f"invalid config ({len(broken)} problem{'s' if len(broken) > 1 else ''}):\n{body}"
         )
+    remember_config_secrets(cfg.model_dump(mode="json"))  # redacted from command lines and messages too
     return cfg
 
 
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A mapping in the YAML document sets the same key twice."""
+
+    def __init__(self, key: str, first: yaml.Mark, again: yaml.Mark) -> None:
+        super().__init__(None, None, f"duplicate key {key!r}", again)
+        self.key, self.first_line, self.line = key, first.line + 1, again.line + 1
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys: plain YAML keeps the last value and
+    silently drops the first, so a config could train with a value its author never sees."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Hashable, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # keys merged in from `<<: *base` may be overridden on purpose
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # the base class reports unhashable keys itself
+            if key in seen:
+                raise DuplicateKeyError(str(key), seen[key], key_node.start_mark)
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[KeyPath, int]]:
+    if path.is_dir():
+        yamls = sorted(p.name for p in path.glob("*.y*ml"))[:5]
+        hint = f" (YAML files there: {', '.join(yamls)})" if yamls else ""
+        raise UserInputError(
+            f"config {path} is a directory; a YAML config file is expected{hint}. "
+            "Fix: pass the path of the .yaml file, for example examples/pretrain_tiny.yaml."
+        )
     if not path.is_file():
-        raise UserInputError(f"config file not found: {path} (pass the path of a YAML file; see examples/)")
+        what = "is not a regular file" if path.exists() else "not found"
+        raise UserInputError(f"config file {what}: {path} (pass the path of a YAML file; see examples/)")
     text = path.read_text(encoding="utf-8")
+    loader = _UniqueKeyLoader(text)
+    node: yaml.Node | None = None
     try:
-        data = yaml.safe_load(text)
-        node = yaml.compose(text)
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+    except DuplicateKeyError as err:
+        raise UserInputError(
+            f"{path}:{err.line}: {_dotted_key(node, err)}: duplicate key (first set on line "
+            f"{err.first_line}); YAML would silently keep only the last value. Fix: delete one of "
+            "the two lines, or merge them."
+        ) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise UserInputError(f"{where}: not valid YAML: {getattr(err, 'problem', err)}") from None
+    finally:
+        loader.dispose()
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -115,8 +162,16 @@ def _read_yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[KeyPath, int
     return data, lines
 
 
+def _dotted_key(root: yaml.Node | None, err: DuplicateKeyError) -> str:
+    """The dotted path of the duplicated key (`train.lr`), found by its line in the document."""
+    lines: dict[KeyPath, int] = {}
+    _collect_lines(root, (), lines)
+    found = [p for p, line in lines.items() if line == err.line and p[-1] == err.key]
+    return ".".join(found[0]) if found else err.key
+
+
 def _collect_lines(node: yaml.Node | None, prefix: KeyPath, out: dict[KeyPath, int]) -> None:
-    """Map every key path in the YAML document to its 1-based line number."""
+    """Map every key path in the YAML document to its 1-based line number (a repeated key: its last)."""
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             path = (*prefix, str(key_node.value))
@@ -140,19 +195,44 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
         value = value_text
     node: Any = raw
     parts = key.split(".")
-    for part in parts[:-1]:
-        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-            continue
-        if not isinstance(node, dict):
-            raise UserInputError(f"bad override {override!r}: {part!r} is not inside a section")
-        node = node.setdefault(part, {})
-    if isinstance(node, list) and parts[-1].isdigit() and int(parts[-1]) < len(node):
-        node[int(parts[-1])] = value
+    for depth, part in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            node = node[_list_index(node, parts, depth, override)]
+        elif isinstance(node, dict):
+            node = node.setdefault(part, {})
+        else:
+            raise UserInputError(
+                f"bad override {override!r}: {'.'.join(parts[:depth])} is a value, not a section or list"
+            )
+    if isinstance(node, list):
+        node[_list_index(node, parts, len(parts) - 1, override)] = value
     elif isinstance(node, dict):
         node[parts[-1]] = value
     else:
-        raise UserInputError(f"bad override {override!r}: {parts[-2]!r} is not a section")
+        raise UserInputError(
+            f"bad override {override!r}: {'.'.join(parts[:-1])} is a value, not a section or list"
+        )
+
+
+def _list_index(items: list[Any], parts: list[str], depth: int, override: str) -> int:
+    """The index `parts[depth]` names in the list at `parts[:depth]`; an error saying the list's
+    size when it is no index or out of range (an override changes items, it never adds one)."""
+    name, part = ".".join(parts[:depth]), parts[depth]
+    count = len(items)
+    size = f"{count} item{'' if count == 1 else 's'}"
+    size += f" (index {'0' if count == 1 else f'0 to {count - 1}'})" if count else ""
+    if not part.isdigit():
+        raise UserInputError(
+            f"bad override {override!r}: {name} is a list of {size}; {part!r} is not an index. "
+            f"Fix: write {name}.0.{'.'.join(parts[depth:])}=... for its first item."
+        )
+    if int(part) >= count:
+        raise UserInputError(
+            f"bad override {override!r}: the list {name} has {size}, so index {part} is out of range. "
+            f"Fix: use an existing index; to add an item, add it under {name} in the YAML file "
+            "(an override changes items, it cannot add one)."
+        )
+    return int(part)
 
 
 def _explain(error: Any, source: str, lines: dict[KeyPath, int], raw: dict[str, Any]) -> tuple[int, str]:

@@ -27,6 +27,9 @@ _SPECIAL_TOKEN_KEYS = {
     "mask_token",
 }
 _MIN_SECRET_LEN = 6
+# Secret values met in a loaded config (a webhook URL in the YAML or in an override): once
+# known, they are redacted from free text too (manifest command lines, dry-run output, logs).
+_KNOWN_SECRETS: set[str] = set()
 
 
 def is_secret_key(key: str) -> bool:
@@ -38,9 +41,37 @@ def is_secret_key(key: str) -> bool:
 
 
 def secret_env_values(environ: dict[str, str] | None = None) -> set[str]:
-    """Values of environment variables whose names look like credentials."""
+    """Values of environment variables whose names look like credentials, and the secret values
+    of every config loaded in this process (see `remember_config_secrets`)."""
     env = os.environ if environ is None else environ
-    return {v for k, v in env.items() if is_secret_key(k) and len(v) >= _MIN_SECRET_LEN}
+    found = {v for k, v in env.items() if is_secret_key(k) and len(v) >= _MIN_SECRET_LEN}
+    return found | (_KNOWN_SECRETS if environ is None else set())
+
+
+def remember_config_secrets(data: Any, key: str = "") -> None:
+    """Note the value of every secret-named key in a plain-data config, so that free text that
+    repeats it (a command line, an error message) is redacted as well."""
+    if isinstance(data, dict):
+        for name, value in data.items():
+            remember_config_secrets(value, str(name))
+    elif isinstance(data, list | tuple):
+        for value in data:
+            remember_config_secrets(value, key)
+    elif isinstance(data, str) and key and is_secret_key(key) and len(data) >= _MIN_SECRET_LEN:
+        _KNOWN_SECRETS.add(data)
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """A command line with the value of every `dotted.secret_key=value` override redacted, and
+    known secret values removed from every other word."""
+    words = []
+    for word in argv:
+        name, equals, _ = word.partition("=")
+        if equals and is_secret_key(name.rsplit(".", 1)[-1].lstrip("-")):
+            words.append(f"{name}={REDACTED}")
+        else:
+            words.append(redact_text(word))
+    return words
 
 
 def redact(value: Any, *, secrets: set[str] | None = None, key: str = "") -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -25,8 +25,21 @@ class RunConfig(Section):
     seed: int = Field(42, description="Seed for model init, data order and dropout.")
     overwrite: bool = Field(
         False,
-        description="Delete an existing run directory that holds no checkpoint to resume from, instead of refusing.",
+        description="Start from scratch: delete what an earlier run wrote in the run directory (checkpoints, "
+        "final/, records; nothing else) instead of resuming it or reporting it finished.",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        # The run directory is deleted and rewritten by name (run.overwrite, restarts): a name that
+        # could point anywhere but one level below output_dir would put other files at risk.
+        if name in (".", "..") or any(sep in name for sep in ("/", "\\", "\0")) or Path(name).is_absolute():
+            raise ValueError(
+                f"{name!r} is not a plain name: no '/', '\\', '..' or absolute paths (the run directory is "
+                "<run.output_dir>/<run.name>; put the directory part in run.output_dir)"
+            )
+        return name
 
     @property
     def dir(self) -> Path:
@@ -402,10 +415,11 @@ class ExportConfig(Section):
 
 
 class FaultConfig(Section):
-    kind: Literal["nan", "spike", "slow_data", "oom", "hang", "crash"] = Field(
+    kind: Literal["nan", "spike", "slow_data", "oom", "hang", "crash", "disk_full"] = Field(
         description="nan: the loss becomes NaN; spike: the loss is multiplied by `factor`; slow_data: the data "
         "loader sleeps `seconds`; oom: an out-of-memory error is raised; hang: the step sleeps `seconds`; "
-        "crash: the step raises an error (with `rank`, one worker of a distributed run dies)."
+        "crash: the step raises an error (with `rank`, one worker of a distributed run dies); disk_full: "
+        "the checkpoint of that step fails with 'No space left on device' after its files were written."
     )
     step: int = Field(ge=1, description="The optimizer step (1-based) the fault hits.")
     factor: float = Field(50.0, description="spike: loss multiplier.")

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from lmforge.data.bad_rows import (
     INVALID_UTF8,
@@ -28,7 +27,7 @@ from lmforge.data.bad_rows import (
     excerpt,
 )
 from lmforge.data.examples import BadRow, Origin
-from lmforge.data.sources import resolve_paths
+from lmforge.data.sources import open_parquet, parquet_batches, resolve_paths
 from lmforge.errors import UserInputError
 
 ROW_SUFFIXES = frozenset({".jsonl", ".json", ".csv", ".parquet", ".arrow"})
@@ -230,11 +229,7 @@ def _csv_width_bad_row(origin: Origin, header: list[str], values: list[str]) -> 
 
 
 def _parquet_batches(file: Path) -> Iterator[pa.RecordBatch]:
-    try:
-        parquet = pq.ParquetFile(file)
-    except (pa.ArrowInvalid, OSError) as err:
-        raise UserInputError(f"{file}: not a readable parquet file ({err}). Fix: re-export it.") from None
-    yield from parquet.iter_batches(batch_size=BATCH_ROWS)
+    return parquet_batches(file, open_parquet(file), batch_size=BATCH_ROWS)
 
 
 def _arrow_batches(file: Path) -> Iterator[pa.RecordBatch]:

@@ -126,7 +126,7 @@ def sft_fingerprint(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, templat
     parts = {
         "code": CODE_VERSION,
         "train": sources_fingerprint(cfg.train),
-        "eval": sources_fingerprint(cfg.eval) if cfg.eval else None,
+        "eval": sources_fingerprint(cfg.eval, "eval") if cfg.eval else None,
         "sources": [s.model_dump(mode="json") for s in [*cfg.train, *cfg.eval]],
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "template": template,

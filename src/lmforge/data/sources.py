@@ -2,8 +2,11 @@
 
 A source is a file, a glob, a directory (searched recursively) or a built-in corpus.
 Supported files: `.txt`/`.md` (split per `source.split`), `.jsonl`, `.json` (a list of
-objects or strings) and `.parquet`. Every problem in a file is reported with the file,
-the line (or row) and a fix; empty documents are skipped and counted, never dropped silently.
+objects or strings) and `.parquet`. A directory reads only data files: its `.md` files and
+README/LICENSE files are documentation (name them, or a glob, to train on them). Every
+problem in a file is reported with the file, the line (or row) and a fix; empty documents
+are skipped and counted, never dropped silently, and a source with no document at all is an
+error naming its config key (data.train.N.path).
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = frozenset({".txt", ".md"})
 SUPPORTED_SUFFIXES = TEXT_SUFFIXES | {".jsonl", ".json", ".parquet"}
+# What sits next to data in a directory without being data: read only when named explicitly.
+_DOC_SUFFIXES = frozenset({".md"})
+_DOC_STEMS = frozenset({"readme", "license", "licence"})
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _PARAGRAPH_BREAK = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")  # one or more blank lines
 _HASH_CHUNK = 1 << 20  # hash files in 1 MiB reads: constant memory, near disk speed
@@ -48,80 +54,137 @@ class SourceStats:
         return asdict(self)
 
 
-def resolve_files(source: SourceConfig) -> list[Path]:
-    """The files of a pretraining text source, sorted; a built-in corpus gives its own files."""
+def resolve_files(source: SourceConfig, *, key: str | None = None) -> list[Path]:
+    """The files of a pretraining text source, sorted; a built-in corpus gives its own files.
+
+    `key` (like "data.train.0.path") names the source in errors.
+    """
     if is_builtin(source.path):
         return builtin_files(source.path)
-    return resolve_paths(source.path, SUPPORTED_SUFFIXES)
+    return resolve_paths(source.path, SUPPORTED_SUFFIXES, key=key)
+
+
+def source_label(source_path: str, key: str | None) -> str:
+    """How errors name a source: its config key when known, and always its path."""
+    return f"{key}: data source {source_path!r}" if key else f"data source {source_path!r}"
 
 
 def resolve_paths(
-    source_path: str, suffixes: frozenset[str], *, skip_names: frozenset[str] = frozenset()
+    source_path: str,
+    suffixes: frozenset[str],
+    *,
+    skip_names: frozenset[str] = frozenset(),
+    key: str | None = None,
 ) -> list[Path]:
     """The files a source path names, sorted: the file itself, a glob's matches, or a directory's
-    files with one of `suffixes`, found recursively (other files there are skipped with a
-    warning; `skip_names` silently). Shared by text sources and fine-tuning row sources.
+    data files with one of `suffixes`, found recursively (documentation such as README.md and
+    files of other types are skipped with a warning; `skip_names` silently). Shared by text
+    sources and fine-tuning row sources; `key` names the source's config key in errors.
 
-    Raises UserInputError when nothing matches or a named file has an unsupported type.
+    Raises UserInputError when nothing matches, the path is no regular file or directory,
+    or a named file has an unsupported type.
     """
+    label = source_label(source_path, key)
     path = Path(source_path).expanduser()
     if _GLOB_CHARS.search(source_path):
         matches = [Path(p) for p in glob.glob(str(path), recursive=True)]
         files = sorted(p for p in matches if p.is_file())
-        searched = f"the glob {source_path!r}" + ("" if path.is_absolute() else f" from {Path.cwd()}")
+        if not files:
+            where = "" if path.is_absolute() else f" from {Path.cwd()}"
+            raise UserInputError(
+                f"{label}: no files found; searched the glob {source_path!r}{where}. "
+                "Fix: point the path at existing data files."
+            )
     elif path.is_dir():
-        files = _supported_files_in(path, suffixes, skip_names)
-        searched = f"directory {path} recursively for {', '.join(sorted(suffixes))} files"
+        files, ignored = _data_files_in(path, suffixes, skip_names)
+        if not files:
+            raise _empty_directory_error(label, path, suffixes, ignored)
     elif path.is_file():
         files = [path]
-        searched = str(path)
+    elif path.exists():
+        # /dev/null, a FIFO or a socket: reading one would hang or silently give nothing.
+        raise UserInputError(
+            f"{label}: {path} is not a regular file (it is a device, pipe or socket). "
+            "Fix: point the path at a data file, a directory of data files or a glob."
+        )
     else:
         raise UserInputError(
-            f"data source {source_path!r}: no such file or directory (resolved to {path.resolve()}). "
+            f"{label}: no such file or directory (resolved to {path.resolve()}). "
             "Fix: correct the path, or use a glob like 'data/*.jsonl' or a built-in corpus like "
             "'builtin:python-stdlib'."
-        )
-    if not files:
-        raise UserInputError(
-            f"data source {source_path!r}: no files found; searched {searched}. "
-            "Fix: point the path at existing data files."
         )
     for file in files:
         if file.suffix.lower() not in suffixes:
             raise UserInputError(
-                f"data source {source_path!r}: {file} has unsupported type {file.suffix or '(no suffix)'!r}. "
+                f"{label}: {file} has unsupported type {file.suffix or '(no suffix)'!r}. "
                 f"Fix: use one of {', '.join(sorted(suffixes))}, or narrow the glob."
             )
     return files
 
 
-def _supported_files_in(directory: Path, suffixes: frozenset[str], skip_names: frozenset[str]) -> list[Path]:
+def _is_data_file(file: Path, suffixes: frozenset[str]) -> bool:
+    suffix = file.suffix.lower()
+    return suffix in suffixes and suffix not in _DOC_SUFFIXES and file.stem.lower() not in _DOC_STEMS
+
+
+def _data_files_in(
+    directory: Path, suffixes: frozenset[str], skip_names: frozenset[str]
+) -> tuple[list[Path], list[Path]]:
+    """(data files, ignored files) under `directory`, both sorted."""
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name not in skip_names)
-    supported = [p for p in files if p.suffix.lower() in suffixes]
-    ignored = len(files) - len(supported)
-    if ignored:
+    supported = [p for p in files if _is_data_file(p, suffixes)]
+    ignored = [p for p in files if not _is_data_file(p, suffixes)]
+    if ignored and supported:
         # Directories often hold READMEs or indexes; say what was ignored instead of failing.
-        examples = ", ".join(str(p) for p in files if p.suffix.lower() not in suffixes)[:300]
+        examples = ", ".join(str(p) for p in ignored)[:300]
         logger.warning(
-            "data source %s: ignored %d file(s) of unsupported type: %s", directory, ignored, examples
+            "data source %s: ignored %d file(s) that are not data: %s", directory, len(ignored), examples
         )
-    return supported
+    return supported, ignored
 
 
-def iter_documents(source: SourceConfig, stats: SourceStats | None = None) -> Iterator[str]:
+def _empty_directory_error(
+    label: str, directory: Path, suffixes: frozenset[str], ignored: list[Path]
+) -> UserInputError:
+    kinds = ", ".join(sorted(suffixes - _DOC_SUFFIXES))
+    skipped = ""
+    if ignored:
+        names = ", ".join(p.relative_to(directory).as_posix() for p in ignored[:5])
+        more = f" and {len(ignored) - 5} more" if len(ignored) > 5 else ""
+        skipped = f"; ignored as not data: {names}{more}"
+        if any(p.suffix.lower() in _DOC_SUFFIXES for p in ignored):
+            skipped += f" (to train on .md files, name them with a glob like '{directory}/**/*.md')"
+    return UserInputError(
+        f"{label}: directory {directory} holds no rows: no data files ({kinds}) in it or below "
+        f"it{skipped}. Fix: put data files there, or point the path at the data."
+    )
+
+
+def iter_documents(
+    source: SourceConfig, stats: SourceStats | None = None, *, key: str | None = None
+) -> Iterator[str]:
     """Yield the non-empty documents of a source in file order, at most `source.max_documents`.
 
     Empty or whitespace-only documents are skipped and counted in `stats`. Kept documents
-    are yielded unchanged (no stripping: whitespace matters in code and poetry).
+    are yielded unchanged (no stripping: whitespace matters in code and poetry). A source
+    read to its end without one document raises UserInputError naming `key` (like
+    "data.train.0.path") when given, and always the path.
     """
     stats = stats if stats is not None else SourceStats(source.path)
     if is_builtin(source.path):
         stats.files = len(builtin_files(source.path))
         yield from _limit_and_count(iter_builtin_documents(source.path), source, stats)
         return
-    files = resolve_files(source)
+    files = resolve_files(source, key=key)
     stats.files = len(files)
     yield from _limit_and_count(_documents_of_files(files, source), source, stats)
+    if stats.documents == 0:
+        # Without this the failure surfaces later and elsewhere ("no BPE merges", "0 tokens").
+        raise UserInputError(
+            f"{source_label(source.path, key)} holds no rows: its {_files_text(files)} gave no "
+            f"non-empty document ({stats.empty_documents_skipped} empty skipped). "
+            f"Fix: put data there, or remove this source from {_list_key(key)}."
+        )
 
 
 def _limit_and_count(documents: Iterator[str], source: SourceConfig, stats: SourceStats) -> Iterator[str]:
@@ -230,8 +293,39 @@ def _read_json(file: Path, field: str) -> Iterator[str]:
         yield _text_from_record(record, field, f"{file}: item {index}")
 
 
+def open_parquet(file: Path, *, key: str | None = None) -> pq.ParquetFile:
+    """The parquet file at `file`; UserInputError naming it (and `key`) when it is unreadable."""
+    try:
+        return pq.ParquetFile(file)
+    except (pa.ArrowException, OSError) as err:
+        raise unreadable_parquet(file, err, key) from None
+
+
+def unreadable_parquet(file: Path, err: Exception, key: str | None = None) -> UserInputError:
+    """The error for a corrupt or truncated parquet file (pyarrow's own names no file)."""
+    detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    where = f"{key}: " if key else ""
+    return UserInputError(
+        f"{where}{file}: not a readable parquet file ({detail}). Fix: re-export it (for example "
+        "with pandas.DataFrame.to_parquet), or remove it from the data source."
+    )
+
+
+def parquet_batches(file: Path, parquet: pq.ParquetFile, **options: Any) -> Iterator[pa.RecordBatch]:
+    """`parquet.iter_batches(**options)`, with an unreadable page reported naming `file`."""
+    batches = parquet.iter_batches(**options)
+    while True:
+        try:  # a valid footer does not promise readable pages
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as err:
+            raise unreadable_parquet(file, err) from None
+        if batch is None:
+            return
+        yield batch
+
+
 def _read_parquet(file: Path, field: str) -> Iterator[str]:
-    parquet = pq.ParquetFile(file)
+    parquet = open_parquet(file)
     names = parquet.schema_arrow.names
     if field not in names:
         raise UserInputError(
@@ -244,7 +338,7 @@ def _read_parquet(file: Path, field: str) -> Iterator[str]:
             f"{file}: column {field!r} has type {column_type}, expected string. Fix: store text."
         )
     row = 0
-    for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[field]):
+    for batch in parquet_batches(file, parquet, batch_size=_PARQUET_BATCH_ROWS, columns=[field]):
         column = batch.column(0)
         if column.null_count:
             first_null = row + column.is_null().to_pylist().index(True)
@@ -255,26 +349,66 @@ def _read_parquet(file: Path, field: str) -> Iterator[str]:
         row += len(column)
 
 
-def _hash_file(file: Path) -> str:
+def _hash_file(file: Path) -> tuple[str, bool]:
+    """(sha256 of the file, whether it holds anything but whitespace)."""
     digest = hashlib.sha256()
+    has_text = False
     with file.open("rb") as handle:
         while chunk := handle.read(_HASH_CHUNK):
             digest.update(chunk)
-    return digest.hexdigest()
+            has_text = has_text or not chunk.isspace()
+    return digest.hexdigest(), has_text
 
 
-def sources_fingerprint(sources: Sequence[SourceConfig]) -> str:
+def sources_fingerprint(sources: Sequence[SourceConfig], split: str = "train") -> str:
     """sha256 over each source's settings and each of its files' path, size and content hash.
 
     A built-in corpus contributes its name and Python version instead of its content.
+    This is the first read of every source in a run (before any tokenizer is trained), so it
+    also fails early, naming `data.<split>.N.path`, for a source that is missing, holds no
+    rows (only empty files) or has an unreadable parquet file.
     """
     digest = hashlib.sha256()
-    for source in sources:
+    for index, source in enumerate(sources):
         digest.update(source.model_dump_json().encode())
         if is_builtin(source.path):
             digest.update(builtin_version(source.path).encode())
             continue
-        for file in resolve_files(source):
-            entry = f"{file.resolve()}|{file.stat().st_size}|{_hash_file(file)}\n"
-            digest.update(entry.encode())
+        key = f"data.{split}.{index}.path"
+        files = resolve_files(source, key=key)
+        holds_rows = False
+        for file in files:
+            file_hash, has_text = _hash_file(file)
+            if file.suffix.lower() == ".parquet":
+                with open_parquet(file, key=key) as parquet:
+                    has_text = parquet.metadata.num_rows > 0
+            holds_rows = holds_rows or has_text
+            digest.update(f"{file.resolve()}|{file.stat().st_size}|{file_hash}\n".encode())
+        if not holds_rows:
+            raise UserInputError(
+                f"{source_label(source.path, key)} holds no rows: {_files_text(files)} "
+                f"{'is' if len(files) == 1 else 'are all'} empty ({_emptiness(files)}). "
+                f"Fix: put data there, or remove this source from data.{split}."
+            )
     return digest.hexdigest()
+
+
+def _files_text(files: list[Path]) -> str:
+    """How messages name a source's files: 'file a.jsonl' or '3 files (a.jsonl, b.jsonl, ...)'."""
+    if len(files) == 1:
+        return f"file {files[0]}"
+    shown = ", ".join(str(f) for f in files[:3]) + (", ..." if len(files) > 3 else "")
+    return f"{len(files)} files ({shown})"
+
+
+def _emptiness(files: list[Path]) -> str:
+    if len(files) > 1:
+        return "no bytes, only whitespace, or 0 parquet rows"
+    if files[0].stat().st_size == 0:
+        return "0 bytes"
+    return "0 parquet rows" if files[0].suffix.lower() == ".parquet" else "only whitespace"
+
+
+def _list_key(key: str | None) -> str:
+    """The list a source sits in: 'data.train' for 'data.train.0.path'."""
+    return key.rsplit(".", 2)[0] if key and key.count(".") >= 3 else "the config"

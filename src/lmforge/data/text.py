@@ -85,7 +85,7 @@ def data_fingerprint(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: 
     parts = {
         "code": CODE_VERSION,
         "train": sources_fingerprint(cfg.train),
-        "eval": sources_fingerprint(cfg.eval) if cfg.eval else None,
+        "eval": sources_fingerprint(cfg.eval, "eval") if cfg.eval else None,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "max_length": cfg.max_length,
         # Fraction and seed only matter for a hold-out; leaving them out otherwise lets
@@ -142,13 +142,13 @@ def _timed(timings: dict[str, float], key: str) -> Iterator[None]:
 
 
 def _document_batches(
-    sources: Sequence[SourceConfig], stats: list[SourceStats]
+    sources: Sequence[SourceConfig], stats: list[SourceStats], split: str
 ) -> Iterator[tuple[int, list[str]]]:
     """(source index, documents) batches of about _BATCH_CHARS characters, never spanning sources."""
     for index, source in enumerate(sources):
         batch: list[str] = []
         chars = 0
-        for text in iter_documents(source, stats[index]):
+        for text in iter_documents(source, stats[index], key=f"data.{split}.{index}.path"):
             batch.append(text)
             chars += len(text)
             if chars >= _BATCH_CHARS:
@@ -171,7 +171,7 @@ class _Packer:
         """Write `sources` as blocks to .npy file `out`; returns the split's report."""
         stats = [SourceStats(source.path) for source in sources]
         tokens = [0] * len(sources)
-        batches = _document_batches(sources, stats)
+        batches = _document_batches(sources, stats, split)
         histogram = LengthHistogram()
         with out.open("wb") as handle, tqdm(desc=f"tokenize {split}", unit="tok", unit_scale=True) as bar:
             _write_header(handle, 0, self.block_length)  # rows set when the stream ends

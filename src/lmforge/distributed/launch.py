@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, ParamSpec, TypeVar
 
+from lmforge.config.redact import redact_argv, redact_text
 from lmforge.errors import UserInputError
 
 Backend = Literal["torchrun", "deepspeed"]
@@ -213,8 +214,10 @@ def plan_launch(req: LaunchRequest) -> LaunchPlan:
 def render_dry_run(plan: LaunchPlan) -> str:
     """The plan as shell a user can paste: notes as comments, one `export` per variable, the command."""
     lines = [f"# {note}" for note in plan.notes]
-    lines += [f"export {name}={shlex.quote(value)}" for name, value in plan.env.items()]
-    lines.append(shlex.join(plan.command))
+    # The printed command is for people and logs: a secret override is shown redacted (the
+    # command that runs keeps it).
+    lines += [f"export {name}={shlex.quote(redact_text(value))}" for name, value in plan.env.items()]
+    lines.append(shlex.join(redact_argv(plan.command)))
     return "\n".join(lines) + "\n"
 
 

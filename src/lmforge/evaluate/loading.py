@@ -20,6 +20,8 @@ EXPECTED = (
     "expected a HF model directory (config.json + *.safetensors), a PEFT adapter directory "
     "(adapter_config.json) or a run's final/ directory"
 )
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PICKLED_ADAPTER_WEIGHTS = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -52,6 +54,8 @@ def load_for_inference(
         tokenizer_dir = next((d for d in (path, adapter_dir) if _has_tokenizer(d)), Path(base))
     else:
         raise UserInputError(f"{path}: no model found; {EXPECTED}")
+    if adapter_dir is not None:
+        check_adapter_weights(adapter_dir)  # before any model loads: a wrong file fails in a blink
     from lmforge.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(tokenizer_dir))
@@ -87,6 +91,29 @@ def _check_adapter(path: Path) -> Path:
             f"--adapter {path}: no adapter_config.json there; expected a PEFT adapter directory"
         )
     return path
+
+
+def check_adapter_weights(adapter_dir: Path) -> None:
+    """UserInputError unless `adapter_dir` holds adapter_model.safetensors.
+
+    A pickled adapter_model.bin is refused: unpickling runs code from the file, so lmforge
+    never loads one (PEFT would try). The message says how to convert it where it is trusted.
+    """
+    if (adapter_dir / ADAPTER_WEIGHTS).is_file():
+        return
+    pickled = [name for name in _PICKLED_ADAPTER_WEIGHTS if (adapter_dir / name).is_file()]
+    if pickled:
+        raise UserInputError(
+            f"{adapter_dir / pickled[0]}: a pickled adapter; lmforge loads only {ADAPTER_WEIGHTS} "
+            "because loading a pickle can run code from the file. Fix: in an environment where you "
+            "trust the file, convert it once with PEFT: `model = PeftModel.from_pretrained(base_model, "
+            f"'{adapter_dir}'); model.save_pretrained('{adapter_dir}', safe_serialization=True)`, "
+            f"which writes {ADAPTER_WEIGHTS} next to it."
+        )
+    raise UserInputError(
+        f"{adapter_dir}: adapter_config.json but no {ADAPTER_WEIGHTS}; the adapter's weights are "
+        "missing. Fix: copy the whole adapter directory saved by save_pretrained."
+    )
 
 
 def adapter_base(adapter_dir: Path) -> str:

@@ -87,7 +87,7 @@ def _evaluate_run(request: EvalRequest, summary: dict[str, Any]) -> tuple[Path, 
             f"{final}: the run has no final/ model yet; train it first (lmforge train {request.target})"
         )
     model, tokenizer = load_for_inference(final, request.adapter)
-    _, _, data = prepare_run_data(cfg)
+    _, _, data = prepare_run_data(cfg, for_training=False)  # eval never batches by micro_batch_size
     if data.eval is None or len(data.eval) == 0:  # type: ignore[arg-type]
         note = "the config has no eval data (set data.eval or data.eval_fraction); no run perplexity"
     elif data.conversational_rows:  # preference-style data batched by TRL: no plain next-token loss

@@ -35,8 +35,11 @@ class EventLog:
             "message": redact_text(message),
             **fields,
         }
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(event, default=str) + "\n")
+        try:
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(event, default=str) + "\n")
+        except OSError as err:  # a full disk must not hide the error being reported
+            log.error("could not record the %s event in %s: %s", kind, self.path, err)
         log.warning("[%s] step %d: %s", kind, step, event["message"])
         for listener in self.listeners:
             try:

@@ -76,7 +76,7 @@ def open_run_monitor(
         def sent(event: dict[str, Any], status: int) -> None:
             events.emit("alert_sent", event["step"], f"alert for {event['kind']} sent (HTTP {status})")
 
-        events.listeners.append(AlertSender(cfg.alerts, run_name, on_sent=sent))
+        events.listeners.append(AlertSender(cfg.alerts, run_name, on_sent=sent, run_dir=run_dir))
     if rank != 0:
         return monitor
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -12,7 +13,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from lmforge.ckpt.atomic import commit_checkpoint, read_best, rotate_checkpoints, write_best
+from lmforge.ckpt.atomic import MANIFEST_NAME, commit_checkpoint, read_best, rotate_checkpoints, write_best
 from lmforge.distributed.ranks import wait_for_everyone
 from lmforge.distributed.strategy import write_writer
 from lmforge.errors import UserInputError
@@ -129,8 +130,10 @@ class CheckpointCommitCallback(TrainerCallback):
         *,
         best_metric: str | None = None,
         writer: dict[str, Any] | None = None,
+        disk_full_at: frozenset[int] = frozenset(),
     ) -> None:
         self.writer = writer  # the engine and world size, recorded in each checkpoint for resumes
+        self.disk_full_at = disk_full_at  # drill: these steps' saves fail as on a full disk
         self.staging = staging
         self.checkpoints = checkpoints
         self.keep_last = keep_last
@@ -172,6 +175,8 @@ class CheckpointCommitCallback(TrainerCallback):
         # training_args.bin is a pickle of TrainingArguments; lmforge resumes from config.yaml
         # and never needs it, so it is not kept where a user might unpickle it.
         (written / "training_args.bin").unlink(missing_ok=True)
+        if step in self.disk_full_at:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(written / MANIFEST_NAME))
         final = commit_checkpoint(written, self.checkpoints / f"step-{step}", step=step)
         self._update_best(step)
         keep = {f"step-{self.best['step']}"} if self.best else set()
@@ -214,6 +219,23 @@ class CrashDrillCallback(TrainerCallback):
     def _crash(self) -> None:
         log.warning("debug.crash_at_step=%d: killing this process with SIGKILL", self.step)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class NothingLeftToTrain(Exception):
+    """Raised by StopAtTheEnd: the resumed state is already at the last step."""
+
+
+class StopAtTheEnd(TrainerCallback):
+    """A run resumed from its last step's checkpoint (a crash between that save and final/) must not
+    train on: HF Trainer would run one more step before checking `max_steps`. Everything is loaded
+    when on_train_begin runs, so stopping there leaves the checkpoint's state in the model, ready
+    for final/. Listed first, before any callback starts work that on_train_end would undo."""
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        if state.max_steps > 0 and state.global_step >= state.max_steps:
+            raise NothingLeftToTrain
 
 
 class ShardReport(TrainerCallback):

@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase, default_data_collator
 
 from lmforge.config import LmforgeConfig
+from lmforge.errors import UserInputError
 from lmforge.models.build import DTYPES
 from lmforge.train.rundir import RunPaths
 from lmforge.train.tokenizer_source import obtain_tokenizer
@@ -46,10 +47,11 @@ def resolve_cache_dir(cfg: LmforgeConfig) -> Path:
 
 
 def prepare_data_for_run(
-    cfg: LmforgeConfig, paths: RunPaths, *, write_report: bool = True
+    cfg: LmforgeConfig, paths: RunPaths, *, write_report: bool = True, for_training: bool = True
 ) -> tuple[PreTrainedTokenizerBase, RunData]:
     """Tokenizer and prepared data for the run in `paths`; writes data_report.json there
-    (rank 0 of a distributed run; the others read the same cache and report nothing)."""
+    (rank 0 of a distributed run; the others read the same cache and report nothing).
+    `for_training` also checks that the data fills one micro-batch (eval needs no such check)."""
     paths.root.mkdir(parents=True, exist_ok=True)
     cache_dir = resolve_cache_dir(cfg)
     tokenizer = obtain_tokenizer(cfg, paths, cache_dir)
@@ -61,14 +63,45 @@ def prepare_data_for_run(
         data = _preference_data(cfg, tokenizer, cache_dir, paths)
     if write_report:
         paths.data_report.write_text(json.dumps(data.report, indent=2), encoding="utf-8")
+    if for_training:
+        check_micro_batch_fits(cfg, data)
     return tokenizer, data
 
 
-def prepare_run_data(cfg: LmforgeConfig) -> tuple[Path, PreTrainedTokenizerBase, RunData]:
-    """`lmforge prepare`: run the data stage alone; returns where the report went and the data."""
+def prepare_run_data(
+    cfg: LmforgeConfig, *, for_training: bool = True
+) -> tuple[Path, PreTrainedTokenizerBase, RunData]:
+    """`lmforge prepare`: run the data stage alone; returns where the report went and the data.
+    `for_training=False` (evaluation) skips the checks that only matter to a training run."""
     paths = RunPaths(cfg.run.dir)
-    tokenizer, data = prepare_data_for_run(cfg, paths)
+    tokenizer, data = prepare_data_for_run(cfg, paths, for_training=for_training)
     return paths.data_report, tokenizer, data
+
+
+def check_micro_batch_fits(cfg: LmforgeConfig, data: RunData) -> None:
+    """UserInputError when the training set is smaller than one micro-batch: every step would
+    reuse the same few items in a short batch, which is never what a config with that
+    micro_batch_size means. Per rank under distributed training the share is smaller still;
+    the whole set is checked here because it is known on every rank."""
+    size = len(data.train)  # type: ignore[arg-type]
+    batch = cfg.train.micro_batch_size
+    if size >= batch:
+        return
+    raise UserInputError(
+        f"train.micro_batch_size={batch} is larger than the training set, which holds {size} "
+        f"{_train_units(cfg)} (see {RunPaths(cfg.run.dir).data_report}). Fix: lower "
+        f"train.micro_batch_size to {max(size, 1)} or less, or add training data"
+        + (" or lower data.max_length." if cfg.train.stage == "pretrain" else ".")
+    )
+
+
+def _train_units(cfg: LmforgeConfig) -> str:
+    """What one item of the training set is, in the words of the data report."""
+    if cfg.train.stage == "pretrain":
+        return f"block(s) of data.max_length={cfg.data.max_length} tokens"
+    if cfg.train.stage == "sft":
+        return "packed row(s)" if cfg.data.packing else "sample(s)"
+    return f"{cfg.train.stage} row(s)"
 
 
 def _preference_data(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -18,7 +17,9 @@ import psutil
 import torch
 import yaml
 
+from lmforge.ckpt.atomic import remove_within
 from lmforge.config import LmforgeConfig, dump_config, redact
+from lmforge.config.redact import redact_argv
 from lmforge.errors import UserInputError
 
 TRACKED_PACKAGES = (
@@ -85,24 +86,90 @@ class RunPaths:
     def export(self) -> Path:
         return self.root / "export"
 
+    @property
+    def final_partial(self) -> Path:
+        """Where final/ is written before one rename puts it in place."""
+        return self.root / "final.partial"
+
+    @property
+    def previous(self) -> Path:
+        """Records of earlier attempts that ended before their first checkpoint, kept aside."""
+        return self.root / "previous"
+
+    @property
+    def finished(self) -> Path:
+        """Written inside final/ (so it exists exactly when final/ does): the step training ended at."""
+        return self.final / FINISHED_NAME
+
+    def owned(self) -> list[Path]:
+        """What a training run writes here: the only entries lmforge ever moves or deletes."""
+        names = [
+            *("config.yaml", "manifest.json", "metrics.jsonl", "events", "tb", "data_report.json"),
+            *("checkpoints", "final", "final.partial", "final.old", "export", "report.html", "stacks"),
+            *(
+                "deepspeed_config.json",
+                "bad_rows.jsonl",
+                "tokenizer",
+                "sinks.json",
+                "wandb",
+                "mlruns",
+                "swanlog",
+            ),
+        ]
+        return [self.root / name for name in names]
+
+
+FINISHED_NAME = "lmforge_finished.json"
+
 
 def holds_training_run(paths: RunPaths) -> bool:
     """Whether training already wrote here (what `lmforge prepare` writes does not count)."""
     return any(p.exists() for p in (paths.metrics, paths.checkpoints, paths.final))
 
 
-def claim_run_dir(paths: RunPaths, *, resuming: bool, overwrite: bool) -> None:
-    """Make sure a fresh run never mixes its files with an older run's."""
-    if resuming or not holds_training_run(paths):
+def read_finished(paths: RunPaths) -> dict[str, Any] | None:
+    """{step, max_steps} of a finished run (its final/ is complete), else None."""
+    try:
+        record = json.loads(paths.finished.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+
+
+def make_run_dir(paths: RunPaths) -> None:
+    """Create the run directory, or say why it cannot be (a read-only or missing parent)."""
+    try:
         paths.root.mkdir(parents=True, exist_ok=True)
-        return
-    if not overwrite:
+        probe = paths.root / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
         raise UserInputError(
-            f"run directory {paths.root} already holds a run with no checkpoint to resume from; "
-            "choose another run.name, or set run.overwrite=true to replace it"
-        )
-    shutil.rmtree(paths.root)
-    paths.root.mkdir(parents=True)
+            f"cannot write the run directory {paths.root}: {err.strerror or err}; set run.output_dir to a "
+            "writable directory"
+        ) from None
+
+
+def start_fresh(paths: RunPaths, *, keep_aside: bool) -> Path | None:
+    """Clear what an earlier run wrote here so a fresh run never mixes with it.
+
+    `keep_aside` moves those records to previous/<time>/ (an attempt that crashed before its first
+    checkpoint: its logs may explain the crash); otherwise they are deleted (run.overwrite).
+    Returns where they went. Only entries of `RunPaths.owned` are touched."""
+    present = [p for p in paths.owned() if p.exists() or p.is_symlink()]
+    if not present:
+        return None
+    if not keep_aside:
+        for entry in present:
+            remove_within(entry, paths.root)
+        return None
+    aside = paths.previous / time.strftime("%Y%m%d-%H%M%S")
+    while aside.exists():
+        aside = aside.with_name(aside.name + "-1")
+    aside.mkdir(parents=True)
+    for entry in present:
+        os.rename(entry, aside / entry.name)
+    return aside
 
 
 def write_resolved_config(cfg: LmforgeConfig, paths: RunPaths) -> None:
@@ -115,7 +182,7 @@ def write_manifest(paths: RunPaths, **fingerprints: Any) -> dict[str, Any]:
     """manifest.json: what produced this run (code, packages, hardware, data and tokenizer)."""
     manifest = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "command": " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv)),
+        "command": " ".join(redact_argv([os.path.basename(sys.argv[0]), *sys.argv[1:]])),
         "git": _git_info(),
         "packages": _package_versions(),
         "python": sys.version.split()[0],

@@ -1,8 +1,8 @@
 """`lmforge train`: one training job in this process, from config to `final/`.
 
-The flow reads top to bottom: choose the engine (one process, DDP, FSDP or DeepSpeed), decide
-whether to resume, claim the run directory, get the tokenizer, prepare the data, build the
-model, train with HF Trainer, save. Under `lmforge launch` every worker runs this; rank 0 sets
+The flow reads top to bottom: choose the engine (one process, DDP, FSDP or DeepSpeed), lock the
+run directory, decide how the run starts (fresh, resumed, extended or already finished: see
+run_start.py), get the tokenizer, prepare the data, build the model, train with HF Trainer, save. Under `lmforge launch` every worker runs this; rank 0 sets
 the run directory up and writes the shared files.
 """
 
@@ -10,34 +10,43 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from peft import PeftModel
 from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments, set_seed
 
-from lmforge.ckpt.atomic import CheckpointStatus, check_checkpoint, find_latest_complete
+from lmforge.ckpt.atomic import CheckpointStatus, find_latest_complete, remove_within
+from lmforge.ckpt.export import SUMMARY_NAME as EXPORT_SUMMARY
 from lmforge.ckpt.export import ExportOutcome, run_export
+from lmforge.ckpt.safe_load import no_code_from_checkpoints
 from lmforge.config import LmforgeConfig, dump_config
 from lmforge.config.schema import MonitorConfig
 from lmforge.data.tokenizer import tokenizer_fingerprint
 from lmforge.distributed.deepspeed_config import write_resolved
-from lmforge.distributed.ranks import main_first, wait_for_everyone
+from lmforge.distributed.ranks import main_first
 from lmforge.distributed.strategy import Plan, check_resume_world, engine_arguments, plan_for
-from lmforge.errors import TrainingStopped, UserInputError
+from lmforge.errors import TrainingStopped, explain_write_failure
 from lmforge.models.build import build_model, count_parameters
 from lmforge.models.methods import Head, apply_training_method, check_method_runs_here, quantization_for
 from lmforge.monitor.metrics import MetricsLog, read_metrics
 from lmforge.monitor.run_monitor import RunMonitor, open_run_monitor
-from lmforge.train.callbacks import CheckpointCommitCallback, CrashDrillCallback, MetricsCallback, ShardReport
+from lmforge.train.callbacks import (
+    CheckpointCommitCallback,
+    CrashDrillCallback,
+    MetricsCallback,
+    NothingLeftToTrain,
+    ShardReport,
+    StopAtTheEnd,
+)
+from lmforge.train.final import save_final
 from lmforge.train.guard_callback import GuardCallback, build_guard_callback, train_with_rollbacks
 from lmforge.train.precision import resolve_precision
 from lmforge.train.prepare import RunData, prepare_data_for_run
-from lmforge.train.rundir import RunPaths, claim_run_dir, write_manifest, write_resolved_config
+from lmforge.train.run_lock import RunLock
+from lmforge.train.run_start import RunStart, decide_start
+from lmforge.train.rundir import RunPaths, make_run_dir, write_manifest, write_resolved_config
 from lmforge.train.stages import build_stage_trainer, needs_reference_model
 
 log = logging.getLogger(__name__)
@@ -54,9 +63,11 @@ class TrainOutcome:
     last_eval_ppl: float | None = None
     first_eval_loss: float | None = None
     last_eval_loss: float | None = None
+    last_loss: float | None = None
     summary: dict[str, Any] = field(default_factory=dict)
     export: ExportOutcome | None = None
     interrupted_by: str | None = None  # the signal that stopped the run at a checkpoint
+    already_finished: bool = False  # the run had finished before this call: nothing was trained
 
 
 def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] | None = None) -> TrainOutcome:
@@ -67,11 +78,28 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
     check_method_runs_here(cfg.train)  # qlora on a CPU-only machine fails here, before any work
     on_gpu = torch.cuda.is_available()
     plan = plan_for(cfg, precision=resolve_precision(cfg.train.precision, use_cuda=on_gpu), on_gpu=on_gpu)
-    world = plan.world
     log.info("distributed: %s", plan.describe())
     paths = RunPaths(cfg.run.dir)
-    metrics = MetricsLog(paths.metrics)
-    resume, tokenizer, data = _set_up_run(cfg, plan, paths, metrics)
+    lock = RunLock(paths.root)
+    if plan.world.is_main:  # one launch, one holder: rank 0 holds it for every worker
+        make_run_dir(paths)
+        lock.acquire()
+    try:
+        with no_code_from_checkpoints():
+            return _run_locked(cfg, plan, paths, extra_callbacks or [])
+    finally:
+        lock.release()
+
+
+def _run_locked(
+    cfg: LmforgeConfig, plan: Plan, paths: RunPaths, extra_callbacks: list[TrainerCallback]
+) -> TrainOutcome:
+    world = plan.world
+    start, tokenizer, data = _set_up_run(cfg, plan, paths)
+    if start.finished is not None:
+        return _already_finished(cfg, paths, start.finished, is_main=world.is_main)
+    resume = start.resume
+    metrics = MetricsLog(paths.metrics)  # read after the directory was settled (resumed, cleared)
 
     head: Head = "score" if cfg.train.stage == "rm" else "causal"
     model: Any = build_model(
@@ -111,18 +139,27 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
     )
     if cfg.monitor.enabled:
         guard.attach(trainer)
-    for callback in extra_callbacks or []:
+    for callback in extra_callbacks:
         trainer.add_callback(callback)
-    if world.is_main:
-        shutil.rmtree(paths.staging, ignore_errors=True)  # leftovers of a save interrupted by a crash
     rank0 = trainer.is_world_process_zero()
+    if rank0 and start.extends is not None:
+        events.emit(
+            "extended",
+            start.extends,
+            f"the finished run continues from step {start.extends} to {_target(cfg)}",
+        )
     try:
         export = _train_and_export(cfg, trainer, guard, tokenizer, metrics, paths, resume)
     except BaseException as err:
         if rank0:
+            _clear_partial_writes(paths)
+        failure = explain_write_failure(err)
+        if rank0:
             kind = "stopped" if isinstance(err, TrainingStopped) else "failed"
-            events.emit(kind, trainer.state.global_step, f"{type(err).__name__}: {err}")
+            events.emit(kind, trainer.state.global_step, str(failure or f"{type(err).__name__}: {err}"))
             _write_report(paths.root)
+        if failure is not None:
+            raise failure from None
         raise
     finally:
         monitor.close()
@@ -137,37 +174,48 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
             parameters,
             interrupted_by=guard.signal_stop,
         )
+    summary = next(c for c in trainer.callback_handler.callbacks if isinstance(c, MetricsCallback)).summary
+    outcome = _outcome(
+        paths, trainer.state.global_step, parameters, resumed_from=resume.path if resume else None
+    )
+    outcome.summary, outcome.export = summary, export
+    return outcome
+
+
+def _outcome(paths: RunPaths, steps: int, parameters: int, *, resumed_from: Path | None) -> TrainOutcome:
+    """The outcome of a run that reached its end, with the eval numbers from its metrics.jsonl."""
     records = read_metrics(paths.metrics)
     evals = [r["eval_ppl"] for r in records if "eval_ppl" in r]
     eval_losses = [r["eval_loss"] for r in records if "eval_loss" in r]
-    summary = next(c for c in trainer.callback_handler.callbacks if isinstance(c, MetricsCallback)).summary
     return TrainOutcome(
         run_dir=paths.root,
         final_dir=paths.final,
-        steps=trainer.state.global_step,
-        resumed_from=resume.path if resume else None,
+        steps=steps,
+        resumed_from=resumed_from,
         parameters=parameters,
         first_eval_ppl=float(evals[0]) if evals else None,
         last_eval_ppl=float(evals[-1]) if evals else None,
         first_eval_loss=float(eval_losses[0]) if eval_losses else None,
         last_eval_loss=float(eval_losses[-1]) if eval_losses else None,
-        summary=summary,
-        export=export,
+        last_loss=next((float(r["loss"]) for r in reversed(records) if "loss" in r), None),
     )
 
 
 def _set_up_run(
-    cfg: LmforgeConfig, plan: Plan, paths: RunPaths, metrics: MetricsLog
-) -> tuple[CheckpointStatus | None, PreTrainedTokenizerBase, RunData]:
-    """Decide whether to resume, claim the run directory, get the tokenizer and the data, write
-    config.yaml and manifest.json. Rank 0 goes first and writes; the other ranks then read the
-    run directory and the data cache it filled."""
+    cfg: LmforgeConfig, plan: Plan, paths: RunPaths
+) -> tuple[RunStart, PreTrainedTokenizerBase, RunData]:
+    """Decide how the run starts (fresh, resumed, extended, finished), get the tokenizer and the
+    data, write config.yaml and manifest.json. Rank 0 goes first and writes; the other ranks then
+    read the run directory and the data cache it filled."""
     world = plan.world
     with main_first(world):
-        resume = resolve_resume(cfg.train.resume, paths)
+        start = decide_start(cfg.train, paths, overwrite=cfg.run.overwrite, act=world.is_main)
+        if start.finished is not None:
+            return start, None, None  # type: ignore[return-value]
+        resume = start.resume
         check_resume_world(resume, plan)
         if world.is_main:
-            claim_run_dir(paths, resuming=resume is not None, overwrite=cfg.run.overwrite)
+            _clear_partial_writes(paths)  # leftovers of a save or final/ interrupted by a crash
         set_seed(cfg.run.seed)
         tokenizer, data = prepare_data_for_run(cfg, paths, write_report=world.is_main)
         if world.is_main:
@@ -181,9 +229,31 @@ def _set_up_run(
             if plan.deepspeed is not None:
                 write_resolved(plan.deepspeed, paths.root / "deepspeed_config.json")
             if resume is not None:
-                dropped = metrics.truncate_after(resume.step)
+                dropped = MetricsLog(paths.metrics).truncate_after(resume.step)
                 log.info("resuming from %s (%d metric records after it dropped)", resume.path, dropped)
-    return resume, tokenizer, data
+    return start, tokenizer, data
+
+
+def _clear_partial_writes(paths: RunPaths) -> None:
+    """Remove what an interrupted or failed save left half-written; sealed checkpoints and final/
+    are never partial (each appears with one rename)."""
+    for partial in (paths.staging, paths.final_partial):
+        try:
+            remove_within(partial, paths.root)
+        except OSError as err:
+            log.error("could not remove the partial %s: %s", partial, err)
+
+
+def _already_finished(
+    cfg: LmforgeConfig, paths: RunPaths, finished: dict[str, Any], *, is_main: bool
+) -> TrainOutcome:
+    """The run finished before: train nothing, finish an export that never ran, report the run."""
+    log.info("run %s already finished at step %d; nothing to train", paths.root, finished["step"])
+    outcome = _outcome(paths, finished["step"], int(finished.get("parameters", 0)), resumed_from=None)
+    outcome.already_finished = True
+    if cfg.export.formats and is_main and not (paths.export / EXPORT_SUMMARY).is_file():
+        outcome.export = run_export(cfg.export, paths.final, paths.export)
+    return outcome
 
 
 def _train_and_export(
@@ -208,6 +278,8 @@ def _train_and_export(
             str(resume.path) if resume else None,
             lr_scale=cfg.monitor.guard.rollback_lr_scale,
         )
+    except NothingLeftToTrain:  # resumed from the last step's checkpoint: final/ was not written yet
+        log.info("step %d is the last step: final/ is written from its checkpoint", trainer.state.global_step)
     finally:
         guard.close()
     step = trainer.state.global_step
@@ -220,13 +292,21 @@ def _train_and_export(
         raise TrainingStopped(f"{guard.stop_reason}; the last good state is {good}")
     if guard.signal_stop is not None:
         return None
-    _save_final(trainer, tokenizer, paths.final, merge_lora=cfg.export.merge_lora)
+    finished = {"step": step, "target": {"max_steps": cfg.train.max_steps, "epochs": cfg.train.epochs}}
+    finished["parameters"] = count_parameters(trainer.accelerator.unwrap_model(trainer.model))
+    save_final(trainer, tokenizer, paths, merge_lora=cfg.export.merge_lora, finished=finished)
+    if trainer.is_world_process_zero():
+        _clear_partial_writes(paths)  # a finished run keeps no empty checkpoints/.staging
     export = None
     if cfg.export.formats and trainer.is_world_process_zero():
         export = run_export(cfg.export, paths.final, paths.export)
     if trainer.is_world_process_zero():
         guard.events.emit("finished", step, f"finished after {step} steps")
     return export
+
+
+def _target(cfg: LmforgeConfig) -> str:
+    return f"step {cfg.train.max_steps}" if cfg.train.max_steps else f"{cfg.train.epochs:g} epochs"
 
 
 def _write_report(run_dir: Path) -> None:
@@ -244,21 +324,6 @@ def _compute_dtype(cfg: LmforgeConfig) -> torch.dtype:
     """The dtype 4-bit layers compute in: fp16 where the run trains in fp16 (GPUs without bf16), else bf16."""
     precision = resolve_precision(cfg.train.precision, use_cuda=torch.cuda.is_available())
     return torch.float16 if precision == "fp16" else torch.bfloat16
-
-
-def resolve_resume(setting: str, paths: RunPaths) -> CheckpointStatus | None:
-    """The checkpoint to resume from: `never`, `auto` (newest complete one) or an explicit path."""
-    if setting == "never":
-        return None
-    if setting == "auto":
-        latest, rejected = find_latest_complete(paths.checkpoints)
-        for bad in rejected:
-            log.warning("not resuming from %s: %s", bad.path, bad.problem)
-        return latest
-    status = check_checkpoint(Path(setting))
-    if not status.complete:
-        raise UserInputError(f"train.resume: {setting} is not a complete checkpoint: {status.problem}")
-    return status
 
 
 class _FinalStepCallback(TrainerCallback):
@@ -287,6 +352,7 @@ def _build_trainer(
     has_eval = data.eval is not None and len(data.eval) > 0  # type: ignore[arg-type]
     watched = cfg.monitor.enabled
     callbacks: list[TrainerCallback] = [
+        StopAtTheEnd(),
         *(
             [guard] if watched else []
         ),  # first: its on_save writes guard state before the checkpoint is sealed
@@ -304,6 +370,7 @@ def _build_trainer(
             cfg.train.keep_last,
             best_metric=cfg.train.best_metric,
             writer=plan.summary(),
+            disk_full_at=frozenset(f.step for f in cfg.debug.faults if f.kind == "disk_full"),
         ),
         _FinalStepCallback(),
         ShardReport(sum(p.numel() for p in model.parameters()), plan.engine),
@@ -327,44 +394,3 @@ def _build_trainer(
         configure=configure,
         engine_args=engine_arguments(plan, model, gradient_checkpointing=cfg.train.gradient_checkpointing),
     )
-
-
-def _untie_if_diverged(model: Any) -> None:
-    """A modules_to_save embedding trains a copy for the input side only; the tied output head
-    kept the original. Saved as tied, a reload would tie the head to the trained copy and the
-    merged model would no longer be the model that was trained."""
-    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-    config = model.config.get_text_config()
-    if head is None or not config.tie_word_embeddings or head.weight is embedding.weight:
-        return
-    if not torch.equal(head.weight, embedding.weight):
-        config.tie_word_embeddings = False
-        model.config.tie_word_embeddings = False
-
-
-def _save_final(
-    trainer: Trainer, tokenizer: PreTrainedTokenizerBase, final: Path, *, merge_lora: bool
-) -> None:
-    """final/: the HF-format model and tokenizer, written aside and renamed into place.
-
-    An adapter run writes the PEFT adapter to final/adapter/ (PeftModel.from_pretrained loads
-    it onto its base) and, with export.merge_lora, the merged full model into final/ itself.
-    """
-    staging = final.with_name(final.name + ".partial")
-    if trainer.is_world_process_zero():
-        shutil.rmtree(staging, ignore_errors=True)
-    wait_for_everyone()  # no rank writes its part before the old leftovers are gone
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    adapter = isinstance(model, PeftModel)
-    trainer.save_model(str(staging / "adapter" if adapter else staging))
-    if not trainer.is_world_process_zero():
-        return
-    if adapter and merge_lora:
-        merged = model.merge_and_unload()
-        _untie_if_diverged(merged)
-        merged.save_pretrained(str(staging))
-    tokenizer.save_pretrained(str(staging))
-    for args_pickle in staging.rglob("training_args.bin"):
-        args_pickle.unlink()  # a pickle nobody needs in an export
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(staging, final)

@@ -62,4 +62,6 @@ def _trained_tokenizer(cfg: LmforgeConfig, cache_dir: Path) -> PreTrainedTokeniz
 
 
 def _all_documents(sources: list[SourceConfig]) -> Iterator[str]:
-    return itertools.chain.from_iterable(iter_documents(source) for source in sources)
+    return itertools.chain.from_iterable(
+        iter_documents(source, key=f"data.train.{index}.path") for index, source in enumerate(sources)
+    )
