@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from transformers import Trainer, TrainerCallback
+from transformers import TrainerCallback
 
 from lmforge.ckpt.atomic import check_checkpoint
 from lmforge.config import load_config
@@ -26,7 +26,6 @@ from lmforge.config.schema import GuardConfig
 from lmforge.errors import GUARD_STOP_EXIT, TrainingStopped
 from lmforge.monitor.events import read_events
 from lmforge.monitor.guard import Guardrails
-from lmforge.train.guarded import UPSTREAM_HOOKS
 from lmforge.train.runner import run_training
 from tests.conftest import SMALL_ARCH, run_cli
 
@@ -129,16 +128,6 @@ def test_guard_state_round_trips(tmp_path: Path) -> None:
     again = Guardrails(GuardConfig())
     assert again.load(tmp_path)
     assert again.state_dict() == guard.state_dict()
-
-
-def test_the_trainer_hooks_lmforge_overrides_still_exist_upstream() -> None:
-    for name in UPSTREAM_HOOKS:
-        assert callable(getattr(Trainer, name, None)), (
-            f"transformers.Trainer.{name} is gone: update train/guarded.py"
-        )
-
-
-# -- drills on a tiny model -----------------------------------------------------------------
 
 
 def test_nan_step_is_skipped_parameters_and_optimizer_state_unchanged(tmp_path: Path, corpus: Path) -> None:

@@ -53,6 +53,7 @@ class Plan:
     world: World
     deepspeed: dict[str, Any] | None
     reason: str
+    precision: str = "fp32"  # train.precision resolved for this device, once: fp32 | bf16 | fp16
 
     def summary(self) -> dict[str, Any]:
         """What manifest.json and every checkpoint record of the engine that wrote them."""
@@ -93,7 +94,9 @@ def plan_for(cfg: LmforgeConfig, *, precision: str, on_gpu: bool, world: World |
     deepspeed = None
     if engine == "deepspeed":
         deepspeed = _deepspeed_config(cfg, settings, precision=precision, on_gpu=on_gpu, world=world)
-    return Plan(engine=engine, settings=settings, world=world, deepspeed=deepspeed, reason=reason)
+    return Plan(
+        engine=engine, settings=settings, world=world, deepspeed=deepspeed, reason=reason, precision=precision
+    )
 
 
 def _chosen_settings(cfg: LmforgeConfig, world: World, *, on_gpu: bool) -> tuple[DistributedConfig, str]:

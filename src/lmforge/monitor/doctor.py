@@ -30,7 +30,7 @@ def environment_report(run_dir: Path | None = None) -> dict[str, Any]:
     """Versions, accelerator, CPU, memory, and free space / write access of the cwd and run dir."""
     import torch
 
-    from lmforge.train.precision import cpu_supports_bf16
+    from lmforge.distributed.devices import cpu_supports_bf16
 
     report: dict[str, Any] = {
         "python": platform.python_version(),

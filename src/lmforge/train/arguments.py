@@ -8,8 +8,14 @@ import torch
 from transformers import TrainingArguments
 
 from lmforge.config.schema import TrainConfig
-from lmforge.train.precision import resolve_precision
 from lmforge.train.rundir import RunPaths
+
+# Arguments an engine or a stage may set to another value than lmforge's base, and why. Any
+# other clash is a bug (two places deciding one setting), raised rather than resolved by order.
+OVERRIDABLE = {
+    "activation_checkpointing": "FSDP checkpoints activations itself (an extra all-gather otherwise)",
+    "remove_unused_columns": "TRL's collators take only the tokenized columns",
+}
 
 
 def build_training_arguments(
@@ -18,12 +24,15 @@ def build_training_arguments(
     *,
     seed: int,
     has_eval: bool,
+    precision: str,
     args_class: type[TrainingArguments] = TrainingArguments,
-    **stage_args: Any,
+    engine_args: dict[str, Any] | None = None,
+    stage_args: dict[str, Any] | None = None,
 ) -> TrainingArguments:
-    """HF TrainingArguments, or a TRL config class (`args_class`, a subclass) with its `stage_args`."""
+    """HF TrainingArguments, or a TRL config class (`args_class`, a subclass): lmforge's values from
+    `cfg`, then the distributed engine's (`engine_args`), then the stage's (`stage_args`).
+    `precision` is the plan's, resolved once for this device (fp32, bf16 or fp16)."""
     use_cuda = torch.cuda.is_available()
-    precision = resolve_precision(cfg.precision, use_cuda=use_cuda)
     length = {"max_steps": cfg.max_steps} if cfg.max_steps else {"num_train_epochs": cfg.epochs}
     evaluate = has_eval and cfg.eval_every is not None
     values: dict[str, Any] = dict(
@@ -63,5 +72,13 @@ def build_training_arguments(
         remove_unused_columns=False,
         disable_tqdm=False,
     )
-    values.update(stage_args)
+    for source, extra in (("engine", engine_args or {}), ("stage", stage_args or {})):
+        clashes = sorted(
+            k for k, v in extra.items() if k in values and values[k] != v and k not in OVERRIDABLE
+        )
+        if clashes:
+            raise ValueError(
+                f"the {source} arguments would silently replace {clashes}; add them to OVERRIDABLE"
+            )
+        values.update(extra)
     return args_class(**values)

@@ -1,11 +1,11 @@
-"""HF Trainer callbacks: side effects only (metrics, checkpoint sealing, drills); no maths here."""
+"""HF Trainer callbacks: side effects only (writing metrics records, sealing checkpoints, drills).
+What a record holds is computed in train/step.py."""
 
 from __future__ import annotations
 
 import errno
 import logging
 import os
-import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,9 @@ from lmforge.distributed.ranks import wait_for_everyone
 from lmforge.distributed.strategy import write_writer
 from lmforge.errors import UserInputError
 from lmforge.monitor.metrics import MetricsLog
-from lmforge.train.numerics import ThroughputMeter, perplexity
+from lmforge.train.drills import Drills
+from lmforge.train.numerics import ThroughputMeter
+from lmforge.train.step import eval_record
 
 log = logging.getLogger(__name__)
 
@@ -36,16 +38,14 @@ class MetricsCallback(TrainerCallback):
         self,
         metrics: MetricsLog,
         *,
+        step_record: Callable[[dict[str, float], dict[str, float]], dict[str, Any]],
         language_model_loss: bool = True,
-        extra: Callable[[dict[str, float]], dict[str, Any]] | None = None,
         listeners: list[Callable[[dict[str, Any]], None]] | None = None,
     ) -> None:
         self.metrics = metrics
-        # Fields measured outside HF's logs (guardrails, MFU, memory), given the throughput window.
-        self.extra = extra
+        # The step's own fields for a logged step, given HF's logs and the throughput window.
+        self.step_record = step_record
         self.listeners = list(listeners or [])  # sinks that get every record metrics.jsonl gets
-        # eval_ppl = exp(eval_loss) only means perplexity for next-token losses (pretrain, sft);
-        # a DPO / KTO / reward loss is logged as eval_loss alone.
         self.language_model_loss = language_model_loss
         self.meter = ThroughputMeter()
         self.pending: dict[str, Any] | None = None
@@ -79,22 +79,13 @@ class MetricsCallback(TrainerCallback):
             self.flush()
         record = self.pending or {"step": step}
         if "eval_loss" in logs:
-            record["eval_loss"] = logs["eval_loss"]
-            if self.language_model_loss:
-                record["eval_ppl"] = perplexity(logs["eval_loss"])
+            record.update(eval_record(logs, language_model_loss=self.language_model_loss))
         if "loss" in logs:
             for key in ("loss", "learning_rate", "grad_norm", "epoch"):
                 if key in logs:
                     record[_RENAMED.get(key, key)] = logs[key]
-            if "grad_norm" in record and args.max_grad_norm and args.max_grad_norm > 0:
-                record["grad_clipped"] = bool(
-                    record["grad_norm"] > args.max_grad_norm
-                )  # grad_norm is pre-clip
             record["tokens_seen"] = state.num_input_tokens_seen
-            window = self.meter.take_window()
-            record.update({key: window[key] for key in ("tokens_per_s", "step_time_s") if key in window})
-            if self.extra is not None:
-                record.update(self.extra(window))
+            record.update(self.step_record(logs, self.meter.take_window()))
         self.pending = record
 
     def on_save(
@@ -130,10 +121,10 @@ class CheckpointCommitCallback(TrainerCallback):
         *,
         best_metric: str | None = None,
         writer: dict[str, Any] | None = None,
-        disk_full_at: frozenset[int] = frozenset(),
+        drills: Drills | None = None,
     ) -> None:
         self.writer = writer  # the engine and world size, recorded in each checkpoint for resumes
-        self.disk_full_at = disk_full_at  # drill: these steps' saves fail as on a full disk
+        self.drills = drills or Drills()  # disk_full: a save fails as on a full disk
         self.staging = staging
         self.checkpoints = checkpoints
         self.keep_last = keep_last
@@ -175,7 +166,7 @@ class CheckpointCommitCallback(TrainerCallback):
         # training_args.bin is a pickle of TrainingArguments; lmforge resumes from config.yaml
         # and never needs it, so it is not kept where a user might unpickle it.
         (written / "training_args.bin").unlink(missing_ok=True)
-        if step in self.disk_full_at:
+        if self.drills.due("disk_full", step) is not None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(written / MANIFEST_NAME))
         final = commit_checkpoint(written, self.checkpoints / f"step-{step}", step=step)
         self._update_best(step)
@@ -198,27 +189,23 @@ class CheckpointCommitCallback(TrainerCallback):
         log.info("best checkpoint so far: step-%d (%s=%.4g)", step, self.best_metric, value)
 
 
-class CrashDrillCallback(TrainerCallback):
-    """`debug.crash_at_step`: SIGKILL the process right after step N and its checkpoint, as a real crash would."""
+class KillDrillCallback(TrainerCallback):
+    """`debug.crash_at_step`: SIGKILL the process right after step N and its checkpoint, as a real
+    crash would (the drill itself is train/drills.py's)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, drills: Drills) -> None:
+        self.drills = drills
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        if state.global_step == self.step and not control.should_save:
-            self._crash()
+        if not control.should_save:  # else after the save
+            self.drills.kill_if_due(state.global_step)
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        if state.global_step == self.step:
-            self._crash()
-
-    def _crash(self) -> None:
-        log.warning("debug.crash_at_step=%d: killing this process with SIGKILL", self.step)
-        os.kill(os.getpid(), signal.SIGKILL)
+        self.drills.kill_if_due(state.global_step)
 
 
 class NothingLeftToTrain(Exception):

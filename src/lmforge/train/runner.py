@@ -34,16 +34,17 @@ from lmforge.monitor.metrics import MetricsLog, read_metrics
 from lmforge.monitor.run_monitor import RunMonitor, open_run_monitor
 from lmforge.train.callbacks import (
     CheckpointCommitCallback,
-    CrashDrillCallback,
+    KillDrillCallback,
     MetricsCallback,
     NothingLeftToTrain,
     ShardReport,
     StopAtTheEnd,
 )
 from lmforge.train.final import save_final
-from lmforge.train.guard_callback import GuardCallback, build_guard_callback, train_with_rollbacks
+from lmforge.train.guard_callback import GuardCallback, attach_train_step, build_train_step
 from lmforge.train.precision import resolve_precision
 from lmforge.train.prepare import RunData, prepare_data_for_run
+from lmforge.train.rollback import train_with_rollbacks
 from lmforge.train.run_lock import RunLock
 from lmforge.train.run_start import RunStart, decide_start
 from lmforge.train.rundir import RunPaths, make_run_dir, write_manifest, write_resolved_config
@@ -107,7 +108,7 @@ def _run_locked(
         tokenizer,
         max_length=cfg.data.max_length,
         head=head,
-        quantization=quantization_for(cfg.train, compute_dtype=_compute_dtype(cfg)),
+        quantization=quantization_for(cfg.train, compute_dtype=_compute_dtype(plan)),
     )
     parameters = count_parameters(model)
     log.info("model: %s, %.2fM parameters", model.config.model_type, parameters / 1e6)
@@ -126,19 +127,20 @@ def _run_locked(
         resume_step=resume.step if resume else None,
     )
     events = monitor.events
-    guard = build_guard_callback(
-        cfg,
-        model,
+    step = build_train_step(
+        cfg, model, resume.path if resume else None, update_in_backward=plan.engine == "deepspeed"
+    )
+    guard = GuardCallback(
+        step,
         events,
-        paths.root / "stacks",
-        resume.path if resume else None,
+        stacks_dir=paths.root / "stacks",
+        stall_seconds=cfg.monitor.guard.stall_seconds,
         update_in_backward=plan.engine == "deepspeed",
     )
     trainer = _build_trainer(
         cfg, model, reference, tokenizer, data, paths, metrics, resume, guard, monitor, plan
     )
-    if cfg.monitor.enabled:
-        guard.attach(trainer)
+    attach_train_step(trainer, step)
     for callback in extra_callbacks:
         trainer.add_callback(callback)
     rank0 = trainer.is_world_process_zero()
@@ -320,10 +322,9 @@ def _write_report(run_dir: Path) -> None:
         log.warning("could not write report.html: %s", err)
 
 
-def _compute_dtype(cfg: LmforgeConfig) -> torch.dtype:
+def _compute_dtype(plan: Plan) -> torch.dtype:
     """The dtype 4-bit layers compute in: fp16 where the run trains in fp16 (GPUs without bf16), else bf16."""
-    precision = resolve_precision(cfg.train.precision, use_cuda=torch.cuda.is_available())
-    return torch.float16 if precision == "fp16" else torch.bfloat16
+    return torch.float16 if plan.precision == "fp16" else torch.bfloat16
 
 
 class _FinalStepCallback(TrainerCallback):
@@ -358,10 +359,12 @@ def _build_trainer(
         ),  # first: its on_save writes guard state before the checkpoint is sealed
         MetricsCallback(
             metrics,
-            language_model_loss=cfg.train.stage in ("pretrain", "sft"),
-            extra=(lambda window: {**guard.extra_metrics(window), **monitor.system_metrics()})
+            step_record=(
+                lambda logs, window: {**guard.extra_metrics(logs, window), **monitor.system_metrics()}
+            )
             if watched
-            else None,
+            else (lambda logs, window: guard.step.record(logs, window, guarded=False)),
+            language_model_loss=cfg.train.stage in ("pretrain", "sft"),
             listeners=monitor.record_listeners(),
         ),
         CheckpointCommitCallback(
@@ -370,13 +373,13 @@ def _build_trainer(
             cfg.train.keep_last,
             best_metric=cfg.train.best_metric,
             writer=plan.summary(),
-            disk_full_at=frozenset(f.step for f in cfg.debug.faults if f.kind == "disk_full"),
+            drills=guard.step.drills,
         ),
         _FinalStepCallback(),
         ShardReport(sum(p.numel() for p in model.parameters()), plan.engine),
     ]
     if cfg.debug.crash_at_step is not None:
-        callbacks.append(CrashDrillCallback(cfg.debug.crash_at_step))
+        callbacks.append(KillDrillCallback(guard.step.drills))
 
     def configure(args: TrainingArguments) -> None:
         # A fresh run measures where it starts; a resumed one already has that record.
@@ -392,5 +395,6 @@ def _build_trainer(
         callbacks,
         has_eval=has_eval,
         configure=configure,
+        precision=plan.precision,
         engine_args=engine_arguments(plan, model, gradient_checkpointing=cfg.train.gradient_checkpointing),
     )

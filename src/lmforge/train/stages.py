@@ -20,7 +20,7 @@ from lmforge.train.arguments import build_training_arguments
 from lmforge.train.numerics import CountingCollator
 from lmforge.train.prepare import RunData
 from lmforge.train.rundir import RunPaths
-from lmforge.train.trainer import LmforgeTrainer, counting
+from lmforge.train.trainer import LmforgeTrainer, with_lmforge_step
 
 
 @dataclass
@@ -52,14 +52,26 @@ def build_stage_trainer(
     *,
     has_eval: bool,
     configure: Callable[[TrainingArguments], None],
+    precision: str,
     engine_args: dict[str, Any] | None = None,
 ) -> Trainer:
     """The trainer for `cfg.train.stage`; `configure` adjusts the arguments every stage shares,
     `engine_args` select the distributed engine (distributed/strategy.py)."""
-    engine_args = engine_args or {}
     evaluation = data.eval if has_eval else None
-    if cfg.train.stage in ("pretrain", "sft"):
-        args = build_training_arguments(cfg.train, paths, seed=cfg.run.seed, has_eval=has_eval, **engine_args)
+    language_model = cfg.train.stage in ("pretrain", "sft")
+    stage = None if language_model else _trl_stage(cfg)
+    args = build_training_arguments(
+        cfg.train,
+        paths,
+        seed=cfg.run.seed,
+        has_eval=has_eval,
+        precision=precision,
+        args_class=stage.config if stage else TrainingArguments,
+        engine_args=engine_args,
+        # TRL's collators take only the tokenized columns; the text columns must be dropped.
+        stage_args={"remove_unused_columns": True, **stage.values} if stage else None,
+    )
+    if stage is None:
         configure(args)
         assert data.collator is not None
         return LmforgeTrainer(
@@ -71,21 +83,9 @@ def build_stage_trainer(
             processing_class=tokenizer,
             callbacks=callbacks,
         )
-    stage = _trl_stage(cfg)
-    args = build_training_arguments(
-        cfg.train,
-        paths,
-        seed=cfg.run.seed,
-        has_eval=has_eval,
-        args_class=stage.config,
-        # TRL's collators take only the tokenized columns; the text columns must be dropped.
-        remove_unused_columns=True,
-        **engine_args,
-        **stage.values,
-    )
     configure(args)
     extra: dict[str, Any] = {"ref_model": reference} if stage.takes_reference else {}
-    return counting(stage.trainer)(
+    return with_lmforge_step(stage.trainer)(
         model=model,
         args=args,
         train_dataset=data.train,

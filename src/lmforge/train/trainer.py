@@ -1,36 +1,56 @@
-"""lmforge's Trainers: HF Trainer or a TRL trainer plus exact real-token counting, guarded
-steps (train/guarded.py) through their step hooks, and FSDP2 that really shards on CPU too
-(distributed/fsdp.py). Everything else is the library's trainer unchanged."""
+"""lmforge's Trainers: HF Trainer or a TRL trainer whose step hooks forward to train/step.py,
+plus FSDP2 that really shards on CPU too (distributed/fsdp.py). Every hook overridden here is
+listed in lmforge/upstream.py with its upstream signature; everything else is the library's.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import torch
 from transformers import Trainer
 
 from lmforge.distributed.fsdp import CpuFsdp
-from lmforge.train.guarded import GuardedSteps
 from lmforge.train.numerics import REAL_TOKENS_KEY
+from lmforge.train.step import TrainStep, batch_size, logs_at, split_batch
+
+log = logging.getLogger(__name__)
 
 
-class RealTokenCounting:
-    """Counts the real (non-pad) tokens of each training batch into `state.num_input_tokens_seen`.
+class StepHooks:
+    """Trainer mixin: HF Trainer's step hooks, each forwarding to the run's TrainStep (`train_step`)."""
 
-    lmforge's own collators put the exact count under REAL_TOKENS_KEY (HF's own count sums
-    `attention_mask`, which is wrong for the 4-D masks of packed rows). TRL's collators pad
-    with plain 2-D masks, so there the masks of the sequences the model runs are summed.
-    """
+    train_step: TrainStep
 
     def training_step(
         self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
     ) -> Any:
-        tokens = inputs.pop(REAL_TOKENS_KEY, None)
-        if tokens is None:
-            tokens = _mask_tokens(inputs)
-        total = self.accelerator.gather(tokens.reshape(1).to(self.args.device)).sum()  # type: ignore[attr-defined]
-        self.state.num_input_tokens_seen += int(total.item())  # type: ignore[attr-defined]
-        return super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
+        step, number = self.train_step, self.state.global_step + 1  # type: ignore[attr-defined]
+        step.count_tokens(inputs, self.args.device)  # type: ignore[attr-defined]
+        while True:
+            step.in_backward = False  # set once a backward may have added to the gradients
+            try:
+                step.run_drills(number)
+                loss = self._chunked_step(model, inputs, num_items_in_batch, step.splits)
+                break
+            except torch.OutOfMemoryError as err:
+                step.back_off(number, batch_size(inputs), err)
+        step.add_loss(loss)
+        return loss
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        out = super().compute_loss(model, inputs, *args, **kwargs)  # type: ignore[misc]
+        if not model.training:
+            return out
+        self.train_step.in_backward = True  # the caller runs backward next: an OOM from here taints the grads
+        number = self.state.global_step + 1  # type: ignore[attr-defined]
+        factor = self.train_step.scale_loss(number)
+        if factor is None:
+            return out
+        log.warning("debug.faults: loss x %s at step %d", factor, number)
+        return (out[0] * factor, *out[1:]) if isinstance(out, tuple) else out * factor
 
     def prediction_step(
         self,
@@ -42,23 +62,56 @@ class RealTokenCounting:
         inputs.pop(REAL_TOKENS_KEY, None)
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)  # type: ignore[misc]
 
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+        started = time.perf_counter()
+        slow = self.train_step.drills.due("slow_data", self.state.global_step + 1)  # type: ignore[attr-defined]
+        if slow is not None:
+            time.sleep(slow.seconds)
+        batches = super().get_batch_samples(epoch_iterator, num_batches, device)  # type: ignore[misc]
+        self.train_step.data_wait_s += time.perf_counter() - started
+        return batches
 
-def _mask_tokens(inputs: dict[str, Any]) -> torch.Tensor:
-    """Sum of the 2-D attention masks of every sequence the model runs (chosen, rejected, KL, ...);
-    `prompt_*` masks are parts of those sequences, not sequences of their own."""
-    total = torch.zeros((), dtype=torch.int64)
-    for key, value in inputs.items():
-        if key.endswith("attention_mask") and not key.startswith("prompt") and getattr(value, "ndim", 0) == 2:
-            total = total + value.sum().cpu()
-    return total
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        # HF calls this once per optimizer step, after clipping and right before optimizer.step().
+        norm = super()._get_grad_norm(model, grad_norm=grad_norm)  # type: ignore[misc]
+        number = self.state.global_step + 1  # type: ignore[attr-defined]
+        logs = logs_at(self.args, number)  # type: ignore[attr-defined]
+        self.train_step.close_step(number, norm, model, self.state, logs=logs)  # type: ignore[attr-defined]
+        return norm
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]
+        # HF zeroes its loss accumulator by subtracting it from itself, which leaves a NaN in
+        # place forever: after a skipped non-finite step every later logged loss would read NaN.
+        accumulated = getattr(self, "_tr_loss", None)
+        if isinstance(accumulated, torch.Tensor) and not bool(torch.isfinite(accumulated).all()):
+            accumulated.zero_()
+
+    def _chunked_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items: Any, splits: int
+    ) -> Any:
+        if splits == 1:
+            return super().training_step(model, inputs, num_items)  # type: ignore[misc]
+        size = batch_size(inputs)
+        chunks = split_batch(inputs, min(splits, size))
+        saved = self.current_gradient_accumulation_steps  # type: ignore[has-type]
+        total = None
+        try:
+            for chunk in chunks:
+                # Where the loss is a per-sample mean (not normalised by the step's token count),
+                # each chunk's mean is weighted by its share of the micro-batch.
+                self.current_gradient_accumulation_steps = saved * size / batch_size(chunk)
+                loss = super().training_step(model, chunk, num_items)  # type: ignore[misc]
+                total = loss if total is None else total + loss
+        finally:
+            self.current_gradient_accumulation_steps = saved
+        return total
 
 
-class LmforgeTrainer(CpuFsdp, RealTokenCounting, GuardedSteps, Trainer):
-    """HF Trainer with real FSDP2 on CPU too, exact real-token counting and guarded steps (pretrain and sft)."""
+class LmforgeTrainer(CpuFsdp, StepHooks, Trainer):  # type: ignore[misc]
+    """HF Trainer with lmforge's step (pretrain and sft) and real FSDP2 on CPU too."""
 
 
-def counting(trainer_class: type[Trainer]) -> type[Trainer]:
-    """`trainer_class` (a TRL trainer) with CpuFsdp, RealTokenCounting and GuardedSteps mixed in."""
-    return type(
-        f"Lmforge{trainer_class.__name__}", (CpuFsdp, RealTokenCounting, GuardedSteps, trainer_class), {}
-    )
+def with_lmforge_step(trainer_class: type[Trainer]) -> type[Trainer]:
+    """`trainer_class` (a TRL trainer) with CpuFsdp and StepHooks mixed in."""
+    return type(f"Lmforge{trainer_class.__name__}", (CpuFsdp, StepHooks, trainer_class), {})

@@ -1,0 +1,329 @@
+"""One optimizer step, top to bottom: everything lmforge adds to HF Trainer's step lives here.
+
+    for each micro-batch (HF's `training_step`, see train/trainer.py):
+        drills due at this step (crash, hang, oom; nan / spike scale the loss)   run_drills, scale_loss
+        count its real tokens, on the device (no host sync)                     count_tokens
+        forward + backward (HF), as 2, 4, ... chunks after an out-of-memory     split_batch, back_off
+        add its loss to the step's, on the device                               add_loss
+    once, right before optimizer.step() (HF's `_get_grad_norm` hook):          close_step
+        one all_gather of [loss, tokens] over ranks: the step's one host sync
+        tokens into state.num_input_tokens_seen (they survive a resume)
+        judge the step (monitor/guard.py): apply it, or drop its gradients so
+        the optimizer changes neither parameters nor moments
+        at a logged step, keep a sample of the parameters for the update ratio
+    after optimizer.step():                                                     measure_update_ratio
+    at a logged step, the metrics.jsonl record                                  record
+
+The Trainer mixin only forwards its hooks here; the callbacks (train/guard_callback.py,
+train/callbacks.py) turn the verdicts into events, checkpoints and stops, and write records.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from lmforge.distributed.devices import collective_device
+from lmforge.monitor.guard import Guardrails, Verdict
+from lmforge.train.drills import Drills
+from lmforge.train.numerics import REAL_TOKENS_KEY, memory_metrics, mfu, perplexity
+
+log = logging.getLogger(__name__)
+# Parameters sampled for the update-to-parameter ratio: a copy of at most this many elements
+# is kept across the optimizer step, at logged steps only.
+_RATIO_SAMPLE_ELEMENTS = 8_000_000
+
+
+class OutOfMemoryGivenUp(RuntimeError):
+    """Out of memory with one sample per chunk already: nothing left to halve."""
+
+
+@dataclass
+class TrainStep:
+    """The state and maths of the optimizer step; `guardrails` None means nothing is judged."""
+
+    guardrails: Guardrails | None = None
+    drills: Drills = field(default_factory=Drills)
+    rank: int = 0
+    world_size: int = 1
+    oom_backoff: bool = True
+    global_batch: int = 0
+    max_grad_norm: float = 0.0
+    flops_per_token: float = 0.0
+    peak_flops: float = 0.0
+    splits: int = 1  # chunks each micro-batch runs as (the OOM back-off doubles it)
+    # This step, on the device until close_step:
+    step_loss: torch.Tensor | None = None
+    step_tokens: torch.Tensor | None = None
+    tainted: str = ""  # why this step's gradients cannot be trusted (a failed backward)
+    in_backward: bool = False
+    # This step, after close_step:
+    loss_mean: float = math.nan
+    loss_max: float = math.nan
+    # Since the last logged step:
+    data_wait_s: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)
+    rank_stats: dict[str, float] = field(default_factory=dict)
+    update_ratio: float | None = None
+    verdicts: list[tuple[int, Verdict]] = field(default_factory=list)
+    notices: list[tuple[str, str]] = field(default_factory=list)  # (kind, message) events to emit
+    _ratio_before: list[torch.Tensor] | None = None
+    _ratio_params: list[torch.nn.Parameter] = field(default_factory=list)
+
+    # -- each micro-batch -----------------------------------------------------------------
+    def run_drills(self, step: int) -> None:
+        if self.drills.due("crash", step) is not None:
+            raise RuntimeError(f"debug.faults: simulated crash on rank {self.rank} at step {step}")
+        hang = self.drills.due("hang", step)
+        if hang is not None:
+            log.warning("debug.faults: hanging step %d for %.1f s", step, hang.seconds)
+            time.sleep(hang.seconds)
+        if self.drills.due("oom", step) is not None:
+            raise torch.OutOfMemoryError(f"debug.faults: simulated out-of-memory at step {step}")
+
+    def scale_loss(self, step: int) -> float | None:
+        """The factor a nan / spike drill multiplies this step's loss by, if one is due."""
+        if self.drills.due("nan", step) is not None:
+            return math.nan
+        spike = self.drills.due("spike", step)
+        return spike.factor if spike is not None else None
+
+    def count_tokens(self, inputs: dict[str, Any], device: torch.device) -> None:
+        """Add the batch's real tokens (the collator's exact count, else the 2-D masks) on the device."""
+        tokens = inputs.pop(REAL_TOKENS_KEY, None)
+        tokens = (mask_tokens(inputs) if tokens is None else tokens).reshape(()).to(device)
+        self.step_tokens = tokens if self.step_tokens is None else self.step_tokens + tokens
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        loss = loss.detach().float().reshape(())
+        self.step_loss = loss if self.step_loss is None else self.step_loss + loss
+
+    def back_off(self, step: int, size: int, err: Exception) -> None:
+        """After an out-of-memory: run each micro-batch as twice as many chunks, or give up."""
+        if not self.oom_backoff or self.world_size > 1 or self.splits >= size:
+            reason = (
+                "monitor.guard.oom_backoff is off"
+                if not self.oom_backoff
+                else "the back-off runs in single-process training only (ranks must split in lockstep)"
+                if self.world_size > 1
+                else f"each micro-batch already runs one sample at a time ({size} chunks)"
+            )
+            raise OutOfMemoryGivenUp(
+                f"out of memory at step {step} and {reason}; lower train.micro_batch_size or data.max_length, "
+                f"or turn on train.gradient_checkpointing ({err})"
+            ) from err
+        if self.in_backward:
+            self.tainted = (
+                "out of memory during backward: this step's gradients are partial, so it is not applied"
+            )
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.splits *= 2
+        micro = math.ceil(size / self.splits)
+        self.notices.append(
+            (
+                "oom_backoff",
+                f"out of memory at step {step}: micro-batch {size} now runs as {self.splits} chunks of <= {micro} "
+                f"(accumulation x{self.splits}; global batch unchanged)",
+            )
+        )
+
+    # -- once per optimizer step ----------------------------------------------------------
+    def close_step(
+        self, step: int, grad_norm: Any, model: torch.nn.Module, state: Any, *, logs: bool
+    ) -> None:
+        """Aggregate over ranks, count the tokens, judge the step and drop it if it is not healthy."""
+        tokens = self._aggregate()
+        state.num_input_tokens_seen += tokens
+        verdict = self._judge(step, grad_norm)
+        if verdict.action != "apply":
+            for param in model.parameters():
+                param.grad = None  # optimizer.step() now leaves parameters and moments unchanged
+            if self.guardrails is not None:
+                self.guardrails.note_skipped()
+            self.verdicts.append((step, verdict))
+        elif logs and self.guardrails is not None:
+            self._snapshot_for_ratio(model)
+        self.step_loss, self.step_tokens, self.tainted = None, None, ""
+
+    def _aggregate(self) -> int:
+        """(loss mean, loss max) over ranks into this object, and the step's total real tokens.
+
+        One all_gather of [loss, tokens] and one host sync per optimizer step. Gathered rather
+        than reduced with MAX, which would drop a NaN of one rank."""
+        loss = self.step_loss if self.step_loss is not None else torch.tensor(math.nan)
+        tokens = self.step_tokens if self.step_tokens is not None else torch.zeros((), dtype=torch.int64)
+        device = collective_device() if self.world_size > 1 and dist.is_initialized() else loss.device
+        mine = torch.stack([loss.to(device, torch.float64), tokens.to(device, torch.float64)])
+        if self.world_size > 1 and dist.is_initialized():
+            gathered = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(self.world_size)]
+            dist.all_gather(gathered, mine)
+            table = torch.stack(gathered)
+        else:
+            table = mine.reshape(1, 2)
+        rows = table.tolist()  # the host sync
+        losses = [row[0] for row in rows]
+        self.loss_mean = math.fsum(losses) / len(losses) if not any(map(math.isnan, losses)) else math.nan
+        self.loss_max = max(losses) if not any(map(math.isnan, losses)) else math.nan
+        return int(round(sum(row[1] for row in rows)))
+
+    def _judge(self, step: int, grad_norm: Any) -> Verdict:
+        if self.guardrails is None:
+            return Verdict("apply")
+        norm = float(grad_norm) if grad_norm is not None else None
+        verdict = self.guardrails.judge(step, self.loss_mean, norm)
+        if self.tainted and verdict.action == "apply":
+            verdict = Verdict("skip", "oom_backoff", f"step {step}: {self.tainted}")
+        return verdict
+
+    def _snapshot_for_ratio(self, model: torch.nn.Module) -> None:
+        """Copy a sample of trainable parameters before the update (logged steps only)."""
+        params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+        chosen: list[torch.nn.Parameter] = []
+        used = 0
+        stride = max(len(params) // 32, 1)  # spread the sample over the depth of the model
+        for param in params[::stride]:
+            if used + param.numel() > _RATIO_SAMPLE_ELEMENTS and chosen:
+                break
+            chosen.append(param)
+            used += param.numel()
+        self._ratio_params = chosen
+        self._ratio_before = [p.detach().clone() for p in chosen]
+
+    def measure_update_ratio(self) -> None:
+        """||update|| / ||parameters|| over the sampled tensors, after the optimizer step."""
+        if self._ratio_before is None:
+            return
+        with torch.no_grad():
+            pairs = [
+                (_local(p.detach()), _local(b))
+                for p, b in zip(self._ratio_params, self._ratio_before, strict=True)
+            ]
+            sums = torch.tensor(
+                [
+                    sum(float((p - b).float().pow(2).sum()) for p, b in pairs),
+                    sum(float(b.float().pow(2).sum()) for _, b in pairs),
+                ],
+                dtype=torch.float64,
+            )
+            if any(isinstance(p, DTensor) for p in self._ratio_params) and dist.is_initialized():
+                # FSDP: each rank holds one shard of every tensor; the norms are over the whole ones.
+                dist.all_reduce(sums)
+            delta, size = float(sums[0]), float(sums[1])
+        self.update_ratio = math.sqrt(delta) / math.sqrt(size) if size > 0 else None
+        self._ratio_before, self._ratio_params = None, []
+
+    # -- the metrics record ---------------------------------------------------------------
+    def record(self, logs: dict[str, float], window: dict[str, float], *, guarded: bool) -> dict[str, Any]:
+        """metrics.jsonl's fields for a logged step, from HF's logs and the throughput window."""
+        record: dict[str, Any] = {}
+        if "grad_norm" in logs and self.max_grad_norm > 0:
+            record["grad_clipped"] = bool(logs["grad_norm"] > self.max_grad_norm)  # grad_norm is pre-clip
+        record.update({key: window[key] for key in ("tokens_per_s", "step_time_s") if key in window})
+        if not guarded:
+            return record
+        record.update(self.guardrails.counters() if self.guardrails is not None else {})
+        window_s = window.get("window_s")
+        if window_s:
+            record["samples_per_s"] = window.get("window_steps", 0) * self.global_batch / window_s
+            record["data_wait_share"] = min(self.data_wait_s / window_s, 1.0)
+            if "tokens_per_s" in window:
+                record["mfu"] = mfu(
+                    window["tokens_per_s"], self.flops_per_token, self.peak_flops, self.world_size
+                )
+        self.data_wait_s = 0.0
+        if self.update_ratio is not None:
+            record["update_ratio"], self.update_ratio = self.update_ratio, None
+        if self.splits > 1:
+            record["oom_splits"] = self.splits
+        record.update(memory_metrics())
+        record.update(self.rank_stats)
+        return record
+
+    def gather_rank_stats(self) -> None:
+        """Loss mean/max across ranks and a straggler score (slowest rank's step time / median),
+        for the next record. A collective: every rank calls it at every logged step."""
+        mine = statistics.fmean(self.step_seconds) if self.step_seconds else 0.0
+        self.step_seconds.clear()
+        self.rank_stats = self._gather_times(mine)
+
+    def _gather_times(self, mine: float) -> dict[str, float]:
+        if self.world_size == 1 or not dist.is_initialized():
+            return {}
+        device = collective_device()
+        times = [torch.zeros(1, device=device) for _ in range(self.world_size)]
+        dist.all_gather(times, torch.tensor([mine], device=device))
+        values = [float(t) for t in times]
+        median = statistics.median(values) or 1e-9
+        return {
+            "loss_rank_mean": self.loss_mean,
+            "loss_rank_max": self.loss_max,
+            "straggler": max(values) / median,
+            "slowest_rank": values.index(max(values)),
+        }
+
+
+def eval_record(logs: dict[str, float], *, language_model_loss: bool) -> dict[str, float]:
+    """eval_loss, and eval_ppl = exp(eval_loss) where the loss is a next-token loss (pretrain,
+    sft); a DPO / KTO / reward loss is no perplexity."""
+    record = {"eval_loss": logs["eval_loss"]}
+    if language_model_loss:
+        record["eval_ppl"] = perplexity(logs["eval_loss"])
+    return record
+
+
+def scale_learning_rate(optimizer: Any, scheduler: Any, scale: float) -> None:
+    """After a rollback: lower the schedule (its base rates) and the current rates alike."""
+    if scheduler is not None and hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [lr * scale for lr in scheduler.base_lrs]
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            group["lr"] *= scale
+
+
+def mask_tokens(inputs: dict[str, Any]) -> torch.Tensor:
+    """Sum of the 2-D attention masks of every sequence the model runs (chosen, rejected, KL, ...);
+    `prompt_*` masks are parts of those sequences, not sequences of their own (TRL's collators)."""
+    total = torch.zeros((), dtype=torch.int64)
+    for key, value in inputs.items():
+        if key.endswith("attention_mask") and not key.startswith("prompt") and getattr(value, "ndim", 0) == 2:
+            total = total + value.sum().cpu()
+    return total
+
+
+def batch_size(inputs: dict[str, Any]) -> int:
+    return next(v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.ndim >= 1)
+
+
+def split_batch(inputs: dict[str, Any], parts: int) -> list[dict[str, Any]]:
+    """Split every batch-dimension tensor into `parts` chunks; other values are shared."""
+    size = batch_size(inputs)
+    pieces = {
+        key: torch.tensor_split(value, parts)
+        if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == size
+        else None
+        for key, value in inputs.items()
+    }
+    return [
+        {key: (pieces[key][i] if pieces[key] is not None else value) for key, value in inputs.items()}  # type: ignore[index]
+        for i in range(parts)
+    ]
+
+
+def logs_at(args: Any, step: int) -> bool:
+    return step == 1 or bool(args.logging_steps and step % args.logging_steps == 0)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded (FSDP2 DTensor) tensor; any other tensor whole."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
