@@ -49,6 +49,7 @@ from lmforge.train.run_lock import RunLock
 from lmforge.train.run_start import RunStart, decide_start
 from lmforge.train.rundir import RunPaths, make_run_dir, write_manifest, write_resolved_config
 from lmforge.train.stages import build_stage_trainer, needs_reference_model
+from lmforge.upstream import check_upstream_versions
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ def run_training(cfg: LmforgeConfig, *, extra_callbacks: list[TrainerCallback] |
     `extra_callbacks` are added to the Trainer after lmforge's own (for library users and benchmarks).
     """
     check_method_runs_here(cfg.train)  # qlora on a CPU-only machine fails here, before any work
+    check_upstream_versions()  # warns when a library lmforge patches is outside its tested range
     on_gpu = torch.cuda.is_available()
     plan = plan_for(cfg, precision=resolve_precision(cfg.train.precision, use_cuda=on_gpu), on_gpu=on_gpu)
     log.info("distributed: %s", plan.describe())

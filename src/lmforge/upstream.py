@@ -1,0 +1,159 @@
+"""Every place lmforge couples to upstream internals: overridden methods, private attributes,
+patches. One registry, with why and the tested versions, so an upgrade fails a test
+(tests/test_upstream.py) or warns at start, instead of breaking a run.
+
+Torch-free at import: upstream modules are imported only inside the checks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["override", "private_attribute", "patch", "private_call"]
+
+
+@dataclass(frozen=True)
+class Coupling:
+    target: str  # module:qualname of the upstream object
+    kind: Kind
+    where: str  # lmforge file that depends on it
+    why: str
+    parameters: tuple[str, ...] | None = None  # the upstream callable's parameter names, as tested
+    set_in: str | None = None  # private instance attribute: module:qualname of the function that sets it
+
+
+_TRAINER = "transformers.trainer:Trainer"
+_STEP = "train/trainer.py"
+REGISTRY: tuple[Coupling, ...] = (
+    Coupling(f"{_TRAINER}.training_step", "override", _STEP,
+             "count real tokens, run drills and split a micro-batch after an OOM",
+             ("self", "model", "inputs", "num_items_in_batch")),
+    Coupling(f"{_TRAINER}.compute_loss", "override", _STEP,
+             "mark the backward (an OOM after it taints the gradients) and scale the loss in drills",
+             ("self", "model", "inputs", "return_outputs", "num_items_in_batch")),
+    Coupling(f"{_TRAINER}.prediction_step", "override", _STEP,
+             "drop the real-token count key before the model sees an eval batch",
+             ("self", "model", "inputs", "prediction_loss_only", "ignore_keys")),
+    Coupling(f"{_TRAINER}.get_batch_samples", "override", _STEP,
+             "time the wait for data (data-wait share) and the slow_data drill",
+             ("self", "epoch_iterator", "num_batches", "device")),
+    Coupling(f"{_TRAINER}._get_grad_norm", "override", _STEP,
+             "called once per optimizer step right before optimizer.step(): close the step there",
+             ("self", "model", "grad_norm")),
+    Coupling(f"{_TRAINER}.log", "override", _STEP,
+             "repair HF's NaN-forever loss accumulator after a logged NaN",
+             ("self", "logs", "start_time")),
+    Coupling(f"{_TRAINER}.create_accelerator_and_postprocess", "override", "distributed/fsdp.py",
+             "switch a CPU accelerator from MULTI_CPU to FSDP so FSDP2 really shards on CPU", ("self",)),
+    Coupling(f"{_TRAINER}.save_model", "override", "distributed/fsdp.py",
+             "gather a full HF model under FSDP sharded state dicts and DeepSpeed",
+             ("self", "output_dir", "_internal_call")),
+    Coupling(f"{_TRAINER}._save", "private_call", "distributed/fsdp.py",
+             "write the gathered state dict the way save_model would", ("self", "output_dir", "state_dict")),
+    Coupling(f"{_TRAINER}._tr_loss", "private_attribute", _STEP,
+             "zeroed after a NaN (HF subtracts it from itself, keeping the NaN)",
+             set_in=f"{_TRAINER}._inner_training_loop"),
+    Coupling(f"{_TRAINER}.current_gradient_accumulation_steps", "private_attribute", _STEP,
+             "rescaled while a micro-batch runs as chunks after an OOM", set_in=f"{_TRAINER}._run_epoch"),
+    Coupling(f"{_TRAINER}.is_fsdp_enabled", "private_attribute", "distributed/fsdp.py",
+             "set after the CPU FSDP switch; every later FSDP branch of the Trainer keys off it",
+             set_in=f"{_TRAINER}.create_accelerator_and_postprocess"),
+    Coupling("accelerate.state:AcceleratorState._shared_state", "private_attribute", "distributed/fsdp.py",
+             "the distributed type lives in shared state; both dicts must see FSDP"),
+    Coupling("accelerate.state:PartialState._shared_state", "private_attribute", "distributed/fsdp.py",
+             "the distributed type lives in shared state; both dicts must see FSDP"),
+    Coupling("torch:load", "patch", "ckpt/safe_load.py",
+             "forced weights_only=True while training: DeepSpeed loads its states with weights_only=False",
+             ("f", "map_location", "pickle_module", "weights_only", "mmap", "pickle_load_args")),
+    Coupling("torch.distributed.checkpoint.filesystem:FileSystemReader.read_metadata", "patch",
+             "ckpt/safe_load.py", "DCP unpickles .metadata in full; lmforge reads it under an allow-list",
+             ("self", "args", "kwargs")),
+    Coupling("torch.distributed.checkpoint.filesystem:FileSystemReader._get_metadata_path", "private_call",
+             "ckpt/safe_load.py", "where the patched read_metadata finds the file", ("self", "rank")),
+    Coupling("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine:TorchCheckpointEngine.load",
+             "private_call", "ckpt/safe_load.py",
+             "the DeepSpeed reader the torch.load patch guards (tests call it directly)",
+             ("self", "path", "map_location")),
+    Coupling("transformers.trainer_pt_utils:safe_globals", "private_call", "ckpt/resumable.py",
+             "HF's numpy allow-list for rng_state*.pth, used to pre-check them", ()),
+)  # fmt: skip
+
+# Versions the registry was checked against: [tested, next minor) from constraints.txt.
+TESTED = {
+    "transformers": ("5.23", "5.24"),
+    "trl": ("1.16", "1.17"),
+    "accelerate": ("1.15", "1.16"),
+    "deepspeed": ("0.19.8", "0.20"),
+    "torch": ("2.13", "2.14"),
+    "peft": ("0.21", "0.22"),
+}
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def check_upstream_versions() -> list[str]:
+    """One warning per installed package outside the versions lmforge's couplings were tested on."""
+    warnings = []
+    for package, (low, high) in TESTED.items():
+        try:
+            installed = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+        if not (_version_tuple(low) <= _version_tuple(installed) < _version_tuple(high)):
+            warnings.append(
+                f"{package} {installed} is outside the tested range >={low},<{high}; lmforge overrides or "
+                "patches parts of it (see lmforge/upstream.py): pin the tested version if training misbehaves"
+            )
+    for line in warnings:
+        log.warning(line)
+    return warnings
+
+
+def resolve(target: str) -> Any:
+    """The upstream object `module:qualname` names (AttributeError / ImportError when it is gone)."""
+    module_name, _, qualname = target.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def coupling_problem(entry: Coupling) -> str | None:
+    """Why `entry` no longer holds for the installed libraries, or None."""
+    try:
+        if entry.kind == "private_attribute" and entry.set_in is not None:
+            source = inspect.getsource(resolve(entry.set_in))
+            name = entry.target.rsplit(".", 1)[-1]
+            return None if f"self.{name}" in source else f"{entry.set_in} no longer sets self.{name}"
+        obj = resolve(entry.target)
+    except (ImportError, AttributeError) as err:
+        return f"{entry.target} is gone ({err})"
+    if entry.parameters is not None:
+        found = tuple(inspect.signature(obj).parameters)
+        if found != entry.parameters:
+            return f"{entry.target} now takes {found}, lmforge was written for {entry.parameters}"
+    return None
+
+
+def check_upstream_coupling() -> list[str]:
+    """Every registry entry that does not hold for the installed libraries, with the reason."""
+    return [
+        f"{entry.target} ({entry.where}): {problem}"
+        for entry in REGISTRY
+        if (problem := coupling_problem(entry))
+    ]
