@@ -25,7 +25,8 @@ from transformers import DataCollatorForSeq2Seq, Trainer, TrainerCallback, Train
 
 from lmforge.config.schema import DataConfig, ModelConfig, SourceConfig, TokenizerTrainConfig
 from lmforge.data.collate import PackedCollator
-from lmforge.data.sft import PackedDataset, SampleDataset, prepare_sft_data
+from lmforge.data.ragged import PackedDataset, SampleDataset
+from lmforge.data.sft import prepare_sft_data
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.models.build import build_model
 from lmforge.train.numerics import CountingCollator

@@ -102,7 +102,7 @@ def main() -> None:
     )
     opts = parser.parse_args()
     from lmforge.config.schema import TokenizerTrainConfig
-    from lmforge.data.chat import BUILTIN_TEMPLATES, ensure_template_tokens
+    from lmforge.data.chat_templates import BUILTIN_TEMPLATES, ensure_template_tokens
     from lmforge.data.tokenizer import train_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:

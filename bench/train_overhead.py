@@ -20,9 +20,9 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments, set_seed
 
 from lmforge.config import load_config
+from lmforge.data.run_data import prepare_data_for_run
 from lmforge.models.build import build_model
-from lmforge.train.prepare import prepare_data_for_run
-from lmforge.train.rundir import RunPaths
+from lmforge.run_layout import RunPaths
 from lmforge.train.runner import run_training
 
 

@@ -13,15 +13,14 @@ from lmforge.data.chat import (
     IGNORE_INDEX,
     Dropped,
     TokenizedSample,
-    _batched_ids_and_assistant_turns,
     end_of_turn_ids,
-    ensure_template_tokens,
-    message_dicts,
-    render_conversation,
     resolve_template,
     tokenize_conversation,
     tokenize_conversations,
 )
+from lmforge.data.chat_render import batched_ids_and_assistant_turns as _batched_ids_and_assistant_turns
+from lmforge.data.chat_render import message_dicts, render_conversation
+from lmforge.data.chat_templates import ensure_template_tokens
 from lmforge.data.examples import Conversation, Message, Origin
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.errors import UserInputError

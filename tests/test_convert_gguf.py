@@ -25,10 +25,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaTokenizer
 
 from lmforge.ckpt.convert import convert
+from lmforge.ckpt.gguf_encoding import rope_permute
 from lmforge.ckpt.gguf_runtime import TransformersGgufModel, greedy_decode
-from lmforge.ckpt.to_gguf import rope_permute
 from lmforge.config.schema import ModelConfig, TokenizerTrainConfig
-from lmforge.data.chat import LLAMA3_TEMPLATE
+from lmforge.data.chat_templates import LLAMA3_TEMPLATE
 from lmforge.data.tokenizer import CHATML_TEMPLATE, train_tokenizer
 from lmforge.errors import UserInputError
 from lmforge.models.build import build_model
@@ -330,7 +330,7 @@ def test_q8_0_quantization_is_bit_exact_with_gguf_py() -> None:
     import gguf
     import numpy as np
 
-    from lmforge.ckpt.to_gguf import quantize_q8_0
+    from lmforge.ckpt.gguf_encoding import quantize_q8_0
 
     torch.manual_seed(0)
     rows = torch.randn(300, 96) * torch.logspace(-3, 2, 300).unsqueeze(1)

@@ -14,7 +14,8 @@ import pytest
 
 from lmforge.config.schema import SourceConfig
 from lmforge.data.corpus import builtin_files, builtin_names, iter_builtin_documents
-from lmforge.data.sources import SourceStats, iter_documents, resolve_files, sources_fingerprint
+from lmforge.data.source_paths import resolve_files
+from lmforge.data.sources import SourceStats, iter_documents, sources_fingerprint
 from lmforge.errors import UserInputError
 
 

@@ -21,10 +21,9 @@ import yaml
 from lmforge.distributed.launch import (
     LaunchRequest,
     check_request,
-    failure_exit_code,
-    failure_lines,
     plan_launch,
 )
+from lmforge.distributed.worker_failures import failure_exit_code, failure_lines
 from lmforge.errors import UserInputError
 from tests.conftest import SMALL_ARCH, run_cli
 

@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 from lmforge.cli.monitor import monitor_app
 from lmforge.config.schema import PrometheusConfig
 from lmforge.monitor.events import EventLog
-from lmforge.monitor.prometheus import EXPORTED_NAMES, METRICS, PrometheusExporter, write_rules
+from lmforge.monitor.prometheus import EXPORTED_NAMES, METRICS, PrometheusExporter
+from lmforge.monitor.prometheus_rules import write_rules
 
 NAME = re.compile(r"\blmforge_[a-z0-9_]+\b")
 

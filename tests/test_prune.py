@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from lmforge.ckpt.prune import parse_layers, prune_checkpoint
+from lmforge.ckpt.prune import prune_checkpoint
+from lmforge.ckpt.prune_cuts import parse_layers
 from lmforge.config.schema import ModelConfig, TokenizerTrainConfig
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.errors import UserInputError

@@ -10,8 +10,9 @@ import pytest
 
 from lmforge.config.redact import REDACTED
 from lmforge.config.schema import TrainConfig
+from lmforge.run_layout import RunPaths
 from lmforge.train.run_start import decide_start
-from lmforge.train.rundir import RunPaths, write_manifest
+from lmforge.train.rundir import write_manifest
 
 
 def test_manifest_records_provenance_and_redacts_secrets_from_the_command(

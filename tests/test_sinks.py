@@ -15,7 +15,8 @@ import pytest
 
 from lmforge.config.schema import MonitorConfig
 from lmforge.errors import UserInputError
-from lmforge.monitor.sinks import STATE_FILE, open_sinks
+from lmforge.monitor.sink_step_axis import STATE_FILE
+from lmforge.monitor.sinks import open_sinks
 
 SECRET = "hf_sinksecret123456"
 RECORDS = [

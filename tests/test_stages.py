@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from lmforge.config import load_config
 from lmforge.config.schema import ModelConfig, TokenizerTrainConfig
-from lmforge.data.chat import BUILTIN_TEMPLATES
+from lmforge.data.chat_templates import BUILTIN_TEMPLATES
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.models.build import build_model
 from lmforge.train.runner import run_training

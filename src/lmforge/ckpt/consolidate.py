@@ -2,7 +2,7 @@
 turned into one HF safetensors model directory, streaming one tensor at a time.
 
 DeepSpeed's zero_to_fp32 unpickles every rank file in full (`weights_only=False`) and builds
-the whole fp32 state dict before writing. Here each format's reader (zero_checkpoint,
+the whole fp32 state dict before writing. Here each format's reader (zero_assembly,
 dcp_checkpoint) gives every tensor as a TensorSource that reads it on demand, and this module
 maps the names to the HF model's, picks the model weights and writes them shard by shard, so
 peak memory stays near the largest tensor. config.json and the tokenizer are copied alongside.
@@ -23,8 +23,8 @@ from lmforge.ckpt.dcp_checkpoint import dcp_sources
 from lmforge.ckpt.safetensors_stream import CODES, TensorSpec, parse_size, write_sharded
 from lmforge.ckpt.tensor_source import TensorSource
 from lmforge.ckpt.to_safetensors import FLOAT_DTYPES, SIDE_FILES
-from lmforge.ckpt.zero_checkpoint import find_zero_dir, zero_sources
-from lmforge.ckpt.zero_checkpoint import load_rank_file as load_rank_file  # re-exported for tests
+from lmforge.ckpt.zero_assembly import zero_sources
+from lmforge.ckpt.zero_checkpoint import find_zero_dir
 from lmforge.errors import UserInputError
 
 log = logging.getLogger(__name__)

@@ -8,26 +8,15 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from lmforge.ckpt.atomic import check_out_path, commit_checkpoint
+from lmforge.ckpt.conversion import Conversion
 from lmforge.errors import UserInputError
 
 EXPORT_RECORD = "lmforge_export.json"  # {source, format, dtype, details}: lets verify find its reference
 
 FORMATS = ("safetensors", "gguf", "onnx")
-
-
-@dataclass
-class Conversion:
-    """What a converter wrote."""
-
-    format: str
-    out: Path
-    files: list[Path]
-    details: dict[str, Any] = field(default_factory=dict)
 
 
 def convert(

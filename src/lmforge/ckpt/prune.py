@@ -10,39 +10,29 @@ is either absent or complete.
 from __future__ import annotations
 
 import json
-import re
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from lmforge.ckpt.atomic import commit_checkpoint
+from lmforge.ckpt.prune_cuts import PrunePlan, cap_generation_length, cut_layers, cut_positions
 from lmforge.ckpt.safetensors_stream import TensorSpec, write_sharded
 from lmforge.ckpt.to_safetensors import (
     CONFIG_DTYPE_NAMES,
-    SafetensorsSource,
     cast_spec,
     cast_tensor,
     check_output,
     copy_side_files,
-    model_shards,
     parse_dtype,
     set_config_dtype,
     shard_bytes,
 )
+from lmforge.ckpt.weight_sources import SafetensorsSource, model_shards
 from lmforge.errors import UserInputError
 
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
-LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
-# Learned position tables (gpt2 wpe, OPT/BART embed_positions with their 2-row offset, BERT-style).
-_POSITION_TABLES = ("wpe.weight", "embed_positions.weight", "position_embeddings.weight")
-_LAYER_NAME = re.compile(r"^(.*?\b(?:layers|layer|h|blocks|block))\.(\d+)\.(.+)$")
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
-
-Transform = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -53,15 +43,6 @@ class PruneReport:
     bytes_before: int  # tensor data, all shards
     bytes_after: int
     changes: list[str] = field(default_factory=list)
-
-
-@dataclass
-class _Plan:
-    """Which source tensor becomes which output tensor, and how."""
-
-    specs: list[TensorSpec]
-    sources: dict[str, str]  # output name -> source name
-    transforms: dict[str, Transform]  # output name -> slice applied before the cast
 
 
 def prune_checkpoint(
@@ -91,12 +72,12 @@ def prune_checkpoint(
         )
     config = json.loads((source / "config.json").read_text())
     tensors = SafetensorsSource(shards)
-    plan = _Plan(list(tensors.specs), {s.name: s.name for s in tensors.specs}, {})
+    plan = PrunePlan(list(tensors.specs), {s.name: s.name for s in tensors.specs}, {})
     changes: list[str] = []
     if keep_layers is not None:
-        changes += _keep_layers(plan, config, keep_layers)
+        changes += cut_layers(plan, config, keep_layers)
     if max_positions is not None:
-        changes += _cut_positions(plan, config, max_positions)
+        changes += cut_positions(plan, config, max_positions)
     if target is not None:
         plan.specs = [cast_spec(spec, target) for spec in plan.specs]
         changes.append(f"dtype -> {CONFIG_DTYPE_NAMES[target]} (floating tensors)")
@@ -121,7 +102,7 @@ def prune_checkpoint(
         if target is not None:
             set_config_dtype(staging / "config.json", target)
         if max_positions is not None:
-            changes += _cap_generation_length(staging / "generation_config.json", max_positions)
+            changes += cap_generation_length(staging / "generation_config.json", max_positions)
         if not drop_adapters:
             _copy_adapters(adapters, staging)
         commit_checkpoint(staging, out, step=0)
@@ -139,7 +120,7 @@ def prune_checkpoint(
 
 
 def _write(
-    plan: _Plan, tensors: SafetensorsSource, out: Path, target: torch.dtype | None, max_bytes: int
+    plan: PrunePlan, tensors: SafetensorsSource, out: Path, target: torch.dtype | None, max_bytes: int
 ) -> None:
     def tensor_for(spec: TensorSpec) -> torch.Tensor:
         tensor = tensors.tensor(plan.sources[spec.name])
@@ -151,135 +132,6 @@ def _write(
         write_sharded(out, plan.specs, tensor_for, max_shard_bytes=max_bytes, desc="write pruned")
     finally:
         tensors.close()
-
-
-def parse_layers(text: str, count: int) -> list[int]:
-    """Sorted unique layer indices from "0-3,6"; every index must be below `count`."""
-    indices: set[int] = set()
-    for part in text.split(","):
-        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
-        if match is None:
-            raise UserInputError(
-                f"--keep-layers {text!r}: {part.strip()!r} is not a layer index or range; "
-                "write indices and ranges such as 0-3,6"
-            )
-        low, high = int(match.group(1)), int(match.group(2) or match.group(1))
-        if high < low:
-            raise UserInputError(
-                f"--keep-layers {text!r}: the range {low}-{high} runs backwards; write {high}-{low}"
-            )
-        indices.update(range(low, high + 1))
-    beyond = sorted(i for i in indices if i >= count)
-    if beyond:
-        raise UserInputError(
-            f"--keep-layers {text!r}: layer(s) {beyond} do not exist; the model has {count} layers "
-            f"(0-{count - 1})"
-        )
-    return sorted(indices)
-
-
-def _keep_layers(plan: _Plan, config: dict[str, Any], text: str) -> list[str]:
-    key = next((k for k in LAYER_COUNT_KEYS if isinstance(config.get(k), int)), None)
-    if key is None:
-        raise UserInputError(f"--keep-layers: config.json has none of {', '.join(LAYER_COUNT_KEYS)}")
-    count = int(config[key])
-    keep = parse_layers(text, count)
-    prefix = _decoder_prefix(plan.specs, count)
-    renumber = {old: new for new, old in enumerate(keep)}
-    specs, sources = [], {}
-    for spec in plan.specs:
-        match = _LAYER_NAME.match(spec.name)
-        if match is None or match.group(1) != prefix:
-            specs.append(spec)
-            sources[spec.name] = plan.sources[spec.name]
-            continue
-        old = int(match.group(2))
-        if old in renumber:
-            name = f"{prefix}.{renumber[old]}.{match.group(3)}"
-            specs.append(TensorSpec(name, spec.dtype, spec.shape))
-            sources[name] = plan.sources[spec.name]
-    plan.specs, plan.sources = specs, sources
-    changes = [f"{key} {count} -> {len(keep)} (kept layers {_ranges(keep)}, renumbered 0-{len(keep) - 1})"]
-    config[key] = len(keep)
-    for name, value in list(config.items()):
-        if isinstance(value, list) and len(value) == count and name != "architectures":
-            config[name] = [value[i] for i in keep]
-            changes.append(f"{name}: per-layer list cut to the kept layers")
-    window = config.get("max_window_layers")  # qwen2: the first N layers use full attention
-    if isinstance(window, int) and window < count:
-        config["max_window_layers"] = sum(1 for i in keep if i < window)
-        changes.append(f"max_window_layers {window} -> {config['max_window_layers']}")
-    return changes
-
-
-def _decoder_prefix(specs: list[TensorSpec], count: int) -> str:
-    """The name prefix of the decoder's layer stack: the one numbered exactly 0..count-1."""
-    found: dict[str, set[int]] = {}
-    for spec in specs:
-        match = _LAYER_NAME.match(spec.name)
-        if match is not None:
-            found.setdefault(match.group(1), set()).add(int(match.group(2)))
-    stacks = [prefix for prefix, indices in found.items() if indices == set(range(count))]
-    if len(stacks) != 1:
-        raise UserInputError(
-            f"--keep-layers: cannot tell the decoder's layers apart in this checkpoint (stacks of "
-            f"{count} layers found: {stacks or 'none'}); prune it with transformers instead"
-        )
-    return stacks[0]
-
-
-def _cut_positions(plan: _Plan, config: dict[str, Any], limit: int) -> list[str]:
-    keys = [k for k in POSITION_KEYS if isinstance(config.get(k), int)]
-    if not keys:
-        raise UserInputError(f"--max-positions: config.json has none of {', '.join(POSITION_KEYS)}")
-    if limit < 1:
-        raise UserInputError(f"--max-positions {limit}: must be at least 1")
-    current = min(int(config[k]) for k in keys)
-    if limit > current:
-        raise UserInputError(
-            f"--max-positions {limit}: larger than the model's {keys[0]}={current}; prune only shrinks "
-            "(a longer context needs rope scaling or training, not a config edit)"
-        )
-    changes = [f"{k} {config[k]} -> {limit}" for k in keys]
-    for key in keys:
-        config[key] = limit
-    tables = 0
-    for i, spec in enumerate(plan.specs):
-        offset = spec.shape[0] - current if spec.shape else -1
-        if spec.name.endswith(_POSITION_TABLES) and offset in (0, 2):
-            rows = limit + offset
-            plan.specs[i] = TensorSpec(spec.name, spec.dtype, (rows, *spec.shape[1:]))
-            plan.transforms[spec.name] = _first_rows(rows)
-        elif spec.name.endswith(".attn.bias") and spec.shape[-2:] == (current, current):
-            plan.specs[i] = TensorSpec(spec.name, spec.dtype, (*spec.shape[:-2], limit, limit))
-            plan.transforms[spec.name] = _top_left(limit)
-        else:
-            continue
-        tables += 1
-        changes.append(f"{spec.name} {list(spec.shape)} -> {list(plan.specs[i].shape)}")
-    if not tables:
-        changes.append("no learned position table (rotary positions): config only")
-    return changes
-
-
-def _first_rows(rows: int) -> Transform:
-    return lambda tensor: tensor[:rows]
-
-
-def _top_left(size: int) -> Transform:
-    return lambda tensor: tensor[..., :size, :size]
-
-
-def _cap_generation_length(path: Path, limit: int) -> list[str]:
-    if not path.is_file():
-        return []
-    generation = json.loads(path.read_text())
-    if not isinstance(generation.get("max_length"), int) or generation["max_length"] <= limit:
-        return []
-    change = f"generation_config max_length {generation['max_length']} -> {limit}"
-    generation["max_length"] = limit
-    path.write_text(json.dumps(generation, indent=2) + "\n")
-    return [change]
 
 
 def _copy_adapters(adapters: list[Path], out: Path) -> None:
@@ -298,17 +150,3 @@ def _parameters(specs: list[TensorSpec]) -> int:
             count *= size
         total += count
     return total
-
-
-def _ranges(indices: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2,5"."""
-    parts: list[str] = []
-    start = prev = indices[0]
-    for index in [*indices[1:], None]:
-        if index is not None and index == prev + 1:
-            prev = index
-            continue
-        parts.append(f"{start}-{prev}" if prev > start else str(start))
-        if index is not None:
-            start = prev = index
-    return ",".join(parts)

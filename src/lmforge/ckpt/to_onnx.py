@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from lmforge.ckpt.convert import Conversion
-from lmforge.ckpt.to_safetensors import copy_side_files, model_shards
+from lmforge.ckpt.conversion import Conversion
+from lmforge.ckpt.to_safetensors import copy_side_files
+from lmforge.ckpt.weight_sources import model_shards
 from lmforge.errors import CheckpointError, UserInputError
 
 if TYPE_CHECKING:

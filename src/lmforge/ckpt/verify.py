@@ -1,10 +1,10 @@
 """`lmforge ckpt verify`: is this artifact intact, and does it behave like the model it came from?
 
-Integrity: the hash manifest when there is one (lmforge seals checkpoints and exports), else
-the file structure (safetensors headers and sizes, GGUF and ONNX parse). Parity: the artifact
-runs in its own runtime and the reference in transformers, on the same token ids; the verdict
-compares logits (max abs diff, top-1 agreement), perplexity and greedy generations against
-tolerances chosen by the coarser precision of the two (overridable).
+Integrity (`lmforge.ckpt.integrity`): the hash manifest when there is one (lmforge seals
+checkpoints and exports), else the file structure (safetensors headers and sizes, GGUF and ONNX
+parse). Parity: the artifact runs in its own runtime and the reference in transformers, on the
+same token ids; the verdict compares logits (max abs diff, top-1 agreement), perplexity and
+greedy generations against tolerances chosen by the coarser precision of the two (overridable).
 """
 
 from __future__ import annotations
@@ -18,20 +18,18 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from lmforge.ckpt.atomic import MANIFEST_NAME, check_checkpoint
 from lmforge.ckpt.convert import EXPORT_RECORD
+from lmforge.ckpt.integrity import check_integrity
 from lmforge.ckpt.runtimes import (
     FULL,
     HALF,
     INT8,
     Artifact,
     coarsest,
-    gguf_file,
     load_reference,
     open_artifact,
     token_logprob_mean,
 )
-from lmforge.ckpt.safetensors_stream import INDEX_NAME, SafetensorsReader
 from lmforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -130,75 +128,6 @@ def verify(
     verdict.parity = compare(artifact, reference, sequences, prompts=prompts, new_tokens=new_tokens)
     verdict.failures = judge(verdict.parity, limits)
     return verdict
-
-
-def check_integrity(path: Path) -> dict[str, Any]:
-    """{"status": "ok" | "failed", "checked": what was checked, "problem": why it failed}."""
-    base = path if path.is_dir() else path.parent
-    try:
-        if (base / MANIFEST_NAME).is_file():
-            status = check_checkpoint(base)
-            if not status.complete:
-                return {"status": "failed", "checked": "hash manifest", "problem": status.problem}
-            return {"status": "ok", "checked": "hash manifest (every file's sha256)"}
-        return {"status": "ok", "checked": f"structure only (no {MANIFEST_NAME}): " + _check_structure(path)}
-    except UserInputError as err:
-        return {"status": "failed", "checked": "structure", "problem": str(err)}
-
-
-def _check_structure(path: Path) -> str:
-    gguf = gguf_file(path)
-    if gguf is not None:
-        from gguf import GGUFReader
-
-        try:
-            reader = GGUFReader(gguf)
-        except (ValueError, OSError) as err:
-            raise UserInputError(f"{gguf}: not a readable GGUF file: {err}") from None
-        return f"GGUF parsed ({len(reader.tensors)} tensors)"
-    if path.is_dir() and (path / "model.onnx").is_file():
-        import onnx
-
-        try:
-            onnx.checker.check_model(str(path / "model.onnx"))
-        except (onnx.checker.ValidationError, OSError) as err:
-            raise UserInputError(f"{path / 'model.onnx'}: fails the ONNX checker: {err}") from None
-        return "ONNX checker passed"
-    shards = _safetensors_files(path)
-    for shard in shards:
-        _check_safetensors(shard)
-    return f"{len(shards)} safetensors file(s) complete"
-
-
-def _safetensors_files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    for home in (path, path / "adapter"):
-        index = home / INDEX_NAME
-        if index.is_file():
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            missing = [n for n in names if not (home / n).is_file()]
-            if missing:
-                raise UserInputError(f"{home}: shards named in {INDEX_NAME} are missing: {missing}")
-            return [home / n for n in names]
-        found = sorted(home.glob("*.safetensors"))
-        if found:
-            return found
-    raise UserInputError(f"{path}: no safetensors, GGUF or ONNX model found")
-
-
-def _check_safetensors(shard: Path) -> None:
-    try:
-        with SafetensorsReader(shard) as reader:
-            end = max((e.end for e in reader.entries), default=0)
-            expected = reader.data_start + end
-    except (ValueError, OSError, UnicodeDecodeError) as err:
-        raise UserInputError(f"{shard}: unreadable safetensors header: {err}") from None
-    actual = shard.stat().st_size
-    if actual != expected:
-        raise UserInputError(
-            f"{shard}: {actual} bytes, but its header describes {expected} (truncated or padded)"
-        )
 
 
 def recorded_source(path: Path) -> Path | None:

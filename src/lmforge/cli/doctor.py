@@ -40,6 +40,8 @@ def doctor(
             f"\nrun {run['dir']}: {run['records']} metrics records, last step {run['last_step']}, events: {events}",
             markup=False,
         )
+        for note in run["config_notes"]:
+            console.print(f"  note: {note}", markup=False)
     findings = report["findings"]
     if not findings:
         console.print("[green]no problems found[/]")

@@ -31,7 +31,7 @@ def rules(
 
     Example: `lmforge monitor rules --out monitoring/`
     """
-    from lmforge.monitor.prometheus import write_rules
+    from lmforge.monitor.prometheus_rules import write_rules
 
     for path in write_rules(out):
         console.print(f"wrote {path}", markup=False)

@@ -5,116 +5,35 @@ answer string: templates with `{% generation %}` markers (all built-ins, and the
 template of `train_tokenizer`) give transformers' assistant-token mask; for a tokenizer's
 own template without markers, each assistant turn is located by rendering the conversation
 up to it (with and without the turn) and mapping those character spans to tokens.
+The template texts live in `data.chat_templates`, the rendering and the assistant turns'
+token spans in `data.chat_render`; this module chooses the template and sets the labels.
 """
 
 from __future__ import annotations
 
-import logging
-import re
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
-from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
-from transformers.utils.chat_template_utils import render_jinja_template
 
-from lmforge.data.examples import Conversation, Message, Origin
-from lmforge.data.tokenizer import CHATML_TEMPLATE
+from lmforge.data.chat_render import (
+    batched_ids_and_assistant_turns,
+    has_generation_markers,
+    ids_and_assistant_turns,
+)
+from lmforge.data.chat_templates import BUILTIN_TEMPLATES, ensure_template_tokens
+from lmforge.data.examples import Conversation, Origin
 from lmforge.errors import UserInputError
-
-log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 TrainOn = Literal["assistant", "all", "last_assistant"]
 OverLength = Literal["truncate", "drop", "error"]
 
-# Llama 3 instruct layout (header / content / <|eot_id|>). Tool results use the `ipython`
-# role and tool calls are JSON objects with name + parameters, as Llama 3.1 writes them.
-LLAMA3_TEMPLATE = (
-    "{% if bos_token is defined and bos_token %}{{ bos_token }}{% endif %}"
-    "{% for message in messages %}"
-    "{% set role = 'ipython' if message['role'] == 'tool' else message['role'] %}"
-    "{{ '<|start_header_id|>' + role + '<|end_header_id|>\n\n' }}"
-    "{% if message['role'] == 'assistant' %}{% generation %}"
-    "{% if message['tool_calls'] is defined %}"
-    "{% for tool_call in message['tool_calls'] %}"
-    "{% set call = tool_call['function'] if tool_call['function'] is defined else tool_call %}"
-    "{{ '{\"name\": \"' + call['name'] + '\", \"parameters\": ' }}"
-    "{% if call['arguments'] is string %}{{ call['arguments'] }}{% else %}{{ call['arguments'] | tojson }}{% endif %}"
-    "{{ '}' }}"
-    "{% endfor %}"
-    "{% else %}{{ message['content'] | trim }}{% endif %}"
-    "{{ '<|eot_id|>' }}{% endgeneration %}"
-    "{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
-
-# Qwen2 / Qwen2.5 instruct layout: ChatML with a default system turn, tool schemas in a
-# <tools> block of the system turn, calls in <tool_call> tags and results in <tool_response>
-# tags of a user turn. The default system text is Qwen2's generic one, not "You are Qwen".
-_QWEN2_TOOLS_INTRO = (
-    "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>"
-)
-_QWEN2_TOOLS_OUTRO = (
-    "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, '
-    '\\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n'
-)
-QWEN2_TEMPLATE = (
-    "{% set default_system = 'You are a helpful assistant.' %}"
-    "{% if tools %}"
-    "{{ '<|im_start|>system\n' }}"
-    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% else %}{{ default_system }}{% endif %}"
-    '{{ "' + _QWEN2_TOOLS_INTRO + '" }}'
-    '{% for tool in tools %}{{ "\\n" }}{{ tool | tojson }}{% endfor %}'
-    '{{ "' + _QWEN2_TOOLS_OUTRO + '" }}'
-    "{% elif messages[0]['role'] == 'system' %}"
-    "{{ '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
-    "{% else %}{{ '<|im_start|>system\n' + default_system + '<|im_end|>\n' }}{% endif %}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'user' or (message['role'] == 'system' and not loop.first) %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% elif message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\n' }}{% generation %}"
-    "{% if message['tool_calls'] is defined %}"
-    "{% if message['content'] %}{{ message['content'] + '\n' }}{% endif %}"
-    "{% for tool_call in message['tool_calls'] %}"
-    "{% if not loop.first %}{{ '\n' }}{% endif %}"
-    "{% set call = tool_call['function'] if tool_call['function'] is defined else tool_call %}"
-    "{{ '<tool_call>\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
-    "{% if call['arguments'] is string %}{{ call['arguments'] }}{% else %}{{ call['arguments'] | tojson }}{% endif %}"
-    "{{ '}\n</tool_call>' }}"
-    "{% endfor %}"
-    "{% else %}{{ message['content'] }}{% endif %}"
-    "{{ '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
-    "{% elif message['role'] == 'tool' %}"
-    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
-    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
-    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-BUILTIN_TEMPLATES: dict[str, str] = {
-    "chatml": CHATML_TEMPLATE,
-    "llama3": LLAMA3_TEMPLATE,
-    "qwen2": QWEN2_TEMPLATE,
-}
-# Special tokens each built-in writes; a tokenizer that lacks them gets them added.
-TEMPLATE_TOKENS: dict[str, list[str]] = {
-    "chatml": ["<|im_start|>", "<|im_end|>"],
-    "llama3": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-    "qwen2": ["<|im_start|>", "<|im_end|>"],
-}
 # Tokens that close a turn in common templates; a sample must end with one of these (or EOS).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
-_GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 @dataclass
@@ -136,24 +55,6 @@ class Dropped:
     reason: str  # "over_length" or "no supervised tokens after truncation"
     origin: Origin | None = None
     length: int = 0
-
-
-def ensure_template_tokens(tokenizer: PreTrainedTokenizerBase, name: str | None) -> list[str]:
-    """Add the special tokens built-in template `name` needs and the tokenizer lacks (none for None).
-
-    Returns the tokens added (and logs them): the model's embedding grows to fit at build time.
-    """
-    vocab = tokenizer.get_vocab()
-    missing = [token for token in TEMPLATE_TOKENS.get(name or "", []) if token not in vocab]
-    if missing:
-        tokenizer.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
-        log.warning(
-            "chat template %s: added special tokens %s to the tokenizer; the embedding grows to %d rows",
-            name,
-            ", ".join(missing),
-            len(tokenizer),
-        )
-    return missing
 
 
 def adopt_template(tokenizer: PreTrainedTokenizerBase, name: str | None) -> str:
@@ -186,26 +87,6 @@ def resolve_template(tokenizer: PreTrainedTokenizerBase, name: str | None) -> st
     return str(own)
 
 
-def message_dicts(messages: Sequence[Message]) -> list[dict[str, Any]]:
-    """Messages as the dicts chat templates read (keys left out when unset)."""
-    out = []
-    for message in messages:
-        entry: dict[str, Any] = {"role": message.role, "content": message.content}
-        if message.tool_calls:
-            entry["tool_calls"] = message.tool_calls
-        if message.name:
-            entry["name"] = message.name
-        out.append(entry)
-    return out
-
-
-def render_conversation(conversation: Conversation, tokenizer: PreTrainedTokenizerBase, template: str) -> str:
-    """The text the template renders for the whole conversation (what training tokenizes)."""
-    return str(
-        _render(tokenizer, message_dicts(conversation.messages), conversation.tools, template, tokenize=False)
-    )
-
-
 def tokenize_conversation(
     conversation: Conversation,
     tokenizer: PreTrainedTokenizerBase,
@@ -220,7 +101,7 @@ def tokenize_conversation(
     Labels follow `train_on`; a sample over `max_length` is truncated on the right, dropped,
     or raises UserInputError naming its file:line, per `over_length`.
     """
-    ids, turns = _ids_and_assistant_turns(conversation, tokenizer, template)
+    ids, turns = ids_and_assistant_turns(conversation, tokenizer, template)
     return _finish_sample(ids, turns, conversation.origin, tokenizer, train_on, max_length, over_length)
 
 
@@ -236,13 +117,13 @@ def tokenize_conversations(
     """`tokenize_conversation` for many conversations, same results, faster: conversations
     without tools under a template with generation markers are rendered one by one but
     tokenized in one batch call (the Rust backend spreads it over every core)."""
-    marked = _GENERATION_MARKER.search(template) is not None
+    marked = has_generation_markers(template)
     batchable = [i for i, c in enumerate(conversations) if not c.tools and marked]
     results: list[TokenizedSample | Dropped | None] = [None] * len(conversations)
     if batchable:
         batch = [conversations[i] for i in batchable]
         for i, (ids, turns) in zip(
-            batchable, _batched_ids_and_assistant_turns(batch, tokenizer, template), strict=True
+            batchable, batched_ids_and_assistant_turns(batch, tokenizer, template), strict=True
         ):
             results[i] = _finish_sample(
                 ids, turns, conversations[i].origin, tokenizer, train_on, max_length, over_length
@@ -258,98 +139,6 @@ def tokenize_conversations(
                 over_length=over_length,
             )
     return [r for r in results if r is not None]
-
-
-def _batched_ids_and_assistant_turns(
-    conversations: Sequence[Conversation],
-    tokenizer: PreTrainedTokenizerBase,
-    template: str,
-    tools: list[dict[str, Any]] | None = None,
-) -> list[tuple[list[int], list[tuple[int, int]]]]:
-    """Token ids and assistant [start, end) token spans of conversations sharing `tools`, for a
-    template with generation markers. What `apply_chat_template(..., return_assistant_tokens_mask=True)`
-    computes, without its per-token Python loop: render (transformers' renderer, which returns
-    each assistant span's characters, or `_render_chatml` for ChatML), tokenize the batch in one
-    call, map spans to tokens.
-    tests/test_chat_templates.py checks it against apply_chat_template's mask."""
-    if template == CHATML_TEMPLATE and not tools:
-        rendered, generation_spans = _render_chatml(conversations)
-    else:
-        rendered, generation_spans = _render_with_generation_spans(conversations, tokenizer, template, tools)
-    # Only the ids and the offsets are used: no attention mask or type ids lists to build per row.
-    encoded = tokenizer(
-        rendered, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False
-    )
-    return [
-        (list(encoded["input_ids"][row]), _token_spans(encoded, row, spans))
-        for row, spans in enumerate(generation_spans)
-    ]
-
-
-def _render_with_generation_spans(
-    conversations: Sequence[Conversation],
-    tokenizer: PreTrainedTokenizerBase,
-    template: str,
-    tools: list[dict[str, Any]] | None,
-) -> tuple[list[str], list[list[tuple[int, int]]]]:
-    """Rendered texts and each assistant span's characters, from transformers' Jinja renderer."""
-    # Template variables as apply_chat_template passes them (bos_token, eos_token, ...).
-    special_tokens: dict[str, Any] = dict(tokenizer.special_tokens_map)
-    try:
-        # Annotated upstream as `-> str`, it returns (rendered texts, assistant character spans).
-        rendered_and_spans: Any = render_jinja_template(
-            conversations=[message_dicts(c.messages) for c in conversations],
-            tools=list(tools) if tools else None,
-            chat_template=template,
-            return_assistant_tokens_mask=True,
-            **special_tokens,
-        )
-        rendered, generation_spans = rendered_and_spans
-    except TemplateError as err:
-        raise UserInputError(f"chat template failed to render a conversation: {err}") from None
-    return rendered, generation_spans
-
-
-def _render_chatml(
-    conversations: Sequence[Conversation],
-) -> tuple[list[str], list[list[tuple[int, int]]]]:
-    """CHATML_TEMPLATE (built-in `chatml`, and the template `train_tokenizer` writes) rendered in
-    plain Python: the same text and assistant character spans as the Jinja renderer at a
-    fraction of the cost (the sandboxed Jinja render took ~60 of the ~330 us a chat row cost
-    to tokenize). The template reads only role and content, which every Message has as
-    strings; tests/test_chat_templates.py checks the result against apply_chat_template."""
-    texts: list[str] = []
-    all_spans: list[list[tuple[int, int]]] = []
-    for conversation in conversations:
-        parts: list[str] = []
-        spans: list[tuple[int, int]] = []
-        length = 0
-        for message in conversation.messages:
-            if message.role == "assistant":
-                turn = message.content + "<|im_end|>"
-                start = length + len("<|im_start|>assistant\n")
-                spans.append((start, start + len(turn)))
-                piece = "<|im_start|>assistant\n" + turn + "\n"
-            else:
-                piece = "<|im_start|>" + message.role + "\n" + message.content + "<|im_end|>\n"
-            parts.append(piece)
-            length += len(piece)
-        texts.append("".join(parts))
-        all_spans.append(spans)
-    return texts, all_spans
-
-
-def _token_spans(encoded: Any, row: int, char_spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """[start, end) token spans covering the [start, end) character spans of row `row`."""
-    length = len(encoded["input_ids"][row])
-    turns = []
-    for start_char, end_char in char_spans:
-        start = encoded.char_to_token(row, start_char)
-        if start is None or end_char <= start_char:  # an empty span at the very end renders no token
-            continue
-        end = encoded.char_to_token(row, end_char - 1)
-        turns.append((start, end + 1 if end is not None else length))
-    return turns
 
 
 def _finish_sample(
@@ -378,61 +167,6 @@ def _finish_sample(
         if not np.any(labels != IGNORE_INDEX):
             return Dropped("no supervised tokens after truncation", origin, len(array))
     return TokenizedSample(array, labels, origin)
-
-
-def _render(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
-    template: str,
-    **kwargs: Any,
-) -> Any:
-    try:
-        return tokenizer.apply_chat_template(
-            messages, tools=list(tools) if tools else None, chat_template=template, **kwargs
-        )
-    except TemplateError as err:
-        raise UserInputError(f"chat template failed to render a conversation: {err}") from None
-
-
-def _ids_and_assistant_turns(
-    conversation: Conversation, tokenizer: PreTrainedTokenizerBase, template: str
-) -> tuple[list[int], list[tuple[int, int]]]:
-    """Token ids of the rendered conversation and each assistant turn's [start, end) token span."""
-    if _GENERATION_MARKER.search(template):
-        return _batched_ids_and_assistant_turns([conversation], tokenizer, template, conversation.tools)[0]
-    messages = message_dicts(conversation.messages)
-    text = str(_render(tokenizer, messages, conversation.tools, template, tokenize=False))
-    char_spans = _assistant_char_spans(tokenizer, messages, conversation.tools, template, text)
-    encoded = tokenizer([text], add_special_tokens=False)
-    return list(encoded["input_ids"][0]), _token_spans(encoded, 0, char_spans)
-
-
-def _assistant_char_spans(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]] | None,
-    template: str,
-    text: str,
-) -> list[tuple[int, int]]:
-    """Character spans of assistant turns in `text`, for templates without generation markers:
-    the turn is what rendering it adds after the generation prompt, less trailing whitespace."""
-    spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = str(
-            _render(tokenizer, messages[:i], tools, template, tokenize=False, add_generation_prompt=True)
-        )
-        upto = str(_render(tokenizer, messages[: i + 1], tools, template, tokenize=False))
-        if not (upto.startswith(prompt) and text.startswith(upto)):
-            raise UserInputError(
-                "the tokenizer's chat template renders earlier turns differently as the conversation grows, "
-                "so assistant turns cannot be located; set data.chat_template: chatml|llama3|qwen2, or add "
-                "{% generation %} markers around assistant content in the template"
-            )
-        spans.append((len(prompt), len(upto.rstrip())))
-    return spans
 
 
 # get_vocab() builds a dict of the whole vocabulary: computed once per tokenizer (and

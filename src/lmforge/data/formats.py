@@ -1,8 +1,9 @@
 """Fine-tuning sources -> a lazy stream of examples and bad rows, and weighted mixing of sources.
 
-The per-format readers live in `row_formats` (alpaca, preference, kto, detection) and
-`conversation_formats` (sharegpt, messages); files are read by `rows`; LLaMA-Factory's
-dataset_info.json is resolved by `llamafactory`. This module ties them together.
+The per-format readers live in `row_formats` (alpaca, preference, kto) and
+`conversation_formats` (sharegpt, messages), format detection in `format_detection`; files
+are read by `rows`; LLaMA-Factory's dataset_info.json is resolved by `llamafactory`. This
+module ties them together.
 
 `iter_source_examples` resolves a LLaMA-Factory dataset_info entry, the source's files,
 the format (detected from the first well-formed row when `format: auto`), and reads each
@@ -27,9 +28,10 @@ from typing import TypeVar
 from lmforge.config.schema import SourceConfig
 from lmforge.data.bad_rows import BadRowPolicy
 from lmforge.data.examples import BadRow, Example
+from lmforge.data.format_detection import RowFormat, build_row_format, detect_format
 from lmforge.data.hub import is_hub_source, iter_hub_rows
 from lmforge.data.llamafactory import is_dataset_info_source, resolve_dataset_info
-from lmforge.data.row_formats import RowFormat, build_row_format, detect_format, read_row
+from lmforge.data.row_formats import read_row
 from lmforge.data.rows import RawRow, iter_raw_rows, resolve_row_files
 
 T = TypeVar("T")  # Example | BadRow in the pipeline; any item in tests

@@ -5,14 +5,14 @@ bad-row policy, applies `over_length` with counts, reports lengths, duplicates a
 eval overlap, and caches the result under a fingerprint. It hands TRL the conversational
 form TRL's trainers tokenize themselves with the tokenizer's chat template
 (`prompt` / `chosen` / `rejected`, or `prompt` / `completion` / `label` for KTO), so the
-tokens TRL trains on are the ones `apply_chat_template` renders, as in SFT.
+tokens TRL trains on are the ones `apply_chat_template` renders, as in SFT. The order of
+the steps is `data.prep`'s; this module supplies the preference kind's parts.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,23 +24,16 @@ from datasets import Dataset, load_from_disk
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from lmforge.config.schema import DataConfig
+from lmforge.config.schema import DataConfig, SourceConfig
 from lmforge.data.bad_rows import BadRowPolicy
-from lmforge.data.cache import build_atomically, is_built, read_meta
-from lmforge.data.chat import (
-    Dropped,
-    TokenizedSample,
-    adopt_template,
-    message_dicts,
-    tokenize_conversations,
-)
+from lmforge.data.chat import Dropped, TokenizedSample, adopt_template, tokenize_conversations
+from lmforge.data.chat_render import message_dicts
 from lmforge.data.examples import Conversation, Example, LabeledConversation, Message, PreferencePair
 from lmforge.data.formats import valid_examples
+from lmforge.data.prep import prepare, split_holdout
 from lmforge.data.sft import sft_fingerprint
 from lmforge.data.stats import length_histogram
 from lmforge.errors import UserInputError
-
-log = logging.getLogger(__name__)
 
 PreferenceStage = Literal["dpo", "kto", "rm"]
 CODE_VERSION = "preference-v1"
@@ -49,6 +42,8 @@ _CHUNK = 512
 
 @dataclass
 class PreparedPreference:
+    """Checked preference / KTO rows per split, in the form TRL tokenizes, with the data report."""
+
     train: Dataset
     eval: Dataset | None
     fingerprint: str
@@ -69,66 +64,80 @@ def prepare_preference_data(
     The tokenizer carries the template the data was checked with (`adopt_template`), so
     TRL's tokenization, `final/` and `lmforge generate` all use that template.
     """
-    template = adopt_template(tokenizer, cfg.chat_template)
-    fingerprint = hashlib.sha256(
-        f"{CODE_VERSION}:{stage}:{sft_fingerprint(cfg, tokenizer, template, seed)}".encode()
-    ).hexdigest()
-    final = cache_dir / f"{stage}-{fingerprint}"
-    if is_built(final):
-        log.info("prepared data: reusing cache %s", final)
-    else:
-        build_atomically(
-            final,
-            fingerprint,
-            lambda workdir: _build(cfg, tokenizer, template, stage, seed, workdir, quarantine_path),
-        )
-    report = read_meta(final)["report"]
-    train = load_from_disk(str(final / "train"))
-    evaluation = load_from_disk(str(final / "eval")) if (final / "eval").is_dir() else None
-    return PreparedPreference(train, evaluation, fingerprint, report)
+    kind = _PreferenceKind(cfg, tokenizer, stage, seed, quarantine_path)
+    prepared = prepare(kind, cfg, seed=seed, cache_dir=cache_dir)
+    train, evaluation = prepared.data
+    return PreparedPreference(train, evaluation, prepared.fingerprint, prepared.report)
 
 
-def _build(
-    cfg: DataConfig,
-    tokenizer: PreTrainedTokenizerBase,
-    template: str,
-    stage: PreferenceStage,
-    seed: int,
-    workdir: Path,
-    quarantine_path: Path,
-) -> dict[str, Any]:
-    policy = BadRowPolicy(cfg.on_bad_row, cfg.max_bad_fraction, quarantine_path)
-    checker = _LengthChecker(cfg, tokenizer, template)
-    budget = cfg.memory_budget_mb
-    train = checker.rows(
-        valid_examples(cfg.train, policy, memory_budget_mb=budget, seed=seed), stage, "train"
-    )
-    evaluation = (
-        checker.rows(valid_examples(cfg.eval, policy, memory_budget_mb=budget, seed=seed), stage, "eval")
-        if cfg.eval
-        else None
-    )
-    policy.finish()
-    if evaluation is None and cfg.eval_fraction > 0:
-        train, evaluation = _hold_out(train, cfg.eval_fraction, seed)
-    if not train:
-        raise UserInputError(
-            "data.train: no training row is left after the length policy; see the data report"
+class _PreferenceKind:
+    """Preference / KTO rows as a `DataKind` of `data.prep`: splits are checked rows in memory."""
+
+    unit: str = "row"
+
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        stage: PreferenceStage,
+        seed: int,
+        quarantine_path: Path,
+    ) -> None:
+        self.cfg, self.tokenizer, self.stage, self.seed = cfg, tokenizer, stage, seed
+        self.template = adopt_template(tokenizer, cfg.chat_template)
+        self.bad_rows: BadRowPolicy | None = BadRowPolicy(
+            cfg.on_bad_row, cfg.max_bad_fraction, quarantine_path
         )
-    Dataset.from_list([row.record for row in train]).save_to_disk(str(workdir / "train"))
-    if evaluation:
-        Dataset.from_list([row.record for row in evaluation]).save_to_disk(str(workdir / "eval"))
-    train_keys = {row.key for row in train}
-    return {
-        "stage": stage,
-        "rows": policy.counts(),
-        "dropped": dict(checker.dropped),
-        "train": _split_report(train),
-        "eval": _split_report(evaluation) if evaluation else {"rows": 0},
-        "exact_duplicates_in_train": len(train) - len(train_keys),
-        "eval_rows_also_in_train": sum(row.key in train_keys for row in evaluation or []),
-        "chat_template": cfg.chat_template or "tokenizer",
-    }
+        self.checker = _LengthChecker(cfg, tokenizer, self.template)
+        self.meta: dict[str, Any] = {}
+        self.timings: dict[str, float] = {}
+
+    def fingerprint(self) -> str:
+        sft = sft_fingerprint(self.cfg, self.tokenizer, self.template, self.seed)
+        return hashlib.sha256(f"{CODE_VERSION}:{self.stage}:{sft}".encode()).hexdigest()
+
+    def cache_name(self, fingerprint: str) -> str:
+        return f"{self.stage}-{fingerprint}"
+
+    def load(self, path: Path, report: dict[str, Any]) -> tuple[Dataset, Dataset | None]:
+        evaluation = load_from_disk(str(path / "eval")) if (path / "eval").is_dir() else None
+        return load_from_disk(str(path / "train")), evaluation
+
+    def read_split(self, sources: Sequence[SourceConfig], split: str, workdir: Path) -> list[_Row]:
+        assert self.bad_rows is not None
+        examples = valid_examples(
+            sources, self.bad_rows, memory_budget_mb=self.cfg.memory_budget_mb, seed=self.seed
+        )
+        return self.checker.rows(examples, self.stage, split)
+
+    def size(self, data: list[_Row]) -> int:
+        return len(data)
+
+    def hold_out(
+        self, train: list[_Row], eval_fraction: float, seed: int, workdir: Path
+    ) -> tuple[list[_Row], list[_Row]]:
+        too_few = f"data.eval_fraction={eval_fraction}: holding out eval rows needs at least 2 rows"
+        train_rows, eval_rows = split_holdout(len(train), eval_fraction, seed, too_few=too_few)
+        return [train[i] for i in train_rows], [train[i] for i in eval_rows]
+
+    def save(self, train: list[_Row], evaluation: list[_Row] | None, workdir: Path) -> None:
+        Dataset.from_list([row.record for row in train]).save_to_disk(str(workdir / "train"))
+        if evaluation:
+            Dataset.from_list([row.record for row in evaluation]).save_to_disk(str(workdir / "eval"))
+
+    def report(self, train: list[_Row], evaluation: list[_Row] | None) -> dict[str, Any]:
+        assert self.bad_rows is not None
+        train_keys = {row.key for row in train}
+        return {
+            "stage": self.stage,
+            "rows": self.bad_rows.counts(),
+            "dropped": dict(self.checker.dropped),
+            "train": _split_report(train),
+            "eval": _split_report(evaluation) if evaluation else {"rows": 0},
+            "exact_duplicates_in_train": len(train) - len(train_keys),
+            "eval_rows_also_in_train": sum(row.key in train_keys for row in evaluation or []),
+            "chat_template": self.cfg.chat_template or "tokenizer",
+        }
 
 
 @dataclass
@@ -239,15 +248,6 @@ def _row(
     prompt_tokens = len(samples[0].input_ids) - supervised[0]
     key = hashlib.blake2b(json.dumps(record, sort_keys=True).encode(), digest_size=16).hexdigest()
     return _Row(record, prompt_tokens, supervised, key, label)
-
-
-def _hold_out(rows: list[_Row], fraction: float, seed: int) -> tuple[list[_Row], list[_Row]]:
-    if len(rows) < 2:
-        raise UserInputError(f"data.eval_fraction={fraction}: holding out eval rows needs at least 2 rows")
-    n_eval = min(max(1, round(fraction * len(rows))), len(rows) - 1)
-    order = np.random.default_rng(seed).permutation(len(rows))
-    held = set(order[:n_eval].tolist())
-    return [r for i, r in enumerate(rows) if i not in held], [r for i, r in enumerate(rows) if i in held]
 
 
 def _split_report(rows: list[_Row]) -> dict[str, Any]:

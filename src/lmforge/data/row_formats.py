@@ -1,17 +1,8 @@
 """Fine-tuning row formats: a raw row (a dict) -> an `Example`, or a `BadRow` saying why not.
 
-The entry point for whole sources is `lmforge.data.formats.iter_source_examples`.
-
-Column roles and their default column names (override any with `source.columns`, which
-uses LLaMA-Factory's role names, e.g. `columns: {prompt: question, response: answer}`):
-
-| format | roles (default column) |
-|---|---|
-| alpaca | prompt (instruction), query (input), response (output), system (system), history (history) |
-| sharegpt | messages (conversations), system (system), tools (tools); tags: see `conversation_formats` |
-| messages | messages (messages), tools (tools), role_tag (role), content_tag (content) |
-| preference | chosen (chosen), rejected (rejected) + the prompt in alpaca, sharegpt or messages layout |
-| kto | kto_tag (kto_tag, else label) + a conversation in alpaca, sharegpt or messages layout |
+The entry point for whole sources is `lmforge.data.formats.iter_source_examples`; which
+format a source is in and which column holds each role is `format_detection`'s part
+(`RowFormat`, with the table of column roles).
 
 alpaca follows LLaMA-Factory: the user turn is `instruction + "\\n" + input` when input is
 non-empty, `history` is [[user, assistant], ...] turns before it. In the preference layouts
@@ -22,13 +13,11 @@ A kto label is a boolean (or the strings "true"/"false", as csv files hold it).
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from lmforge.data.bad_rows import EMPTY_TURN, MISSING_FIELD, MISTYPED_FIELD, WRONG_ROLE_ORDER, excerpt
 from lmforge.data.conversation_formats import (
-    SHAREGPT_TAGS,
     RowError,
     decode_json_field,
     function_call_message,
@@ -48,139 +37,7 @@ from lmforge.data.examples import (
     Origin,
     PreferencePair,
 )
-from lmforge.errors import UserInputError
-
-Layout = Literal["alpaca", "sharegpt", "messages"]
-Task = Literal["sft", "preference", "kto"]
-
-LAYOUT_COLUMNS: dict[str, dict[str, str]] = {
-    "alpaca": {
-        "prompt": "instruction",
-        "query": "input",
-        "response": "output",
-        "system": "system",
-        "history": "history",
-    },
-    "sharegpt": {"messages": "conversations", "system": "system", "tools": "tools", **SHAREGPT_TAGS},
-    "messages": {"messages": "messages", "tools": "tools", "role_tag": "role", "content_tag": "content"},
-}
-TASK_COLUMNS: dict[str, dict[str, str]] = {
-    "sft": {},
-    "preference": {"chosen": "chosen", "rejected": "rejected"},
-    "kto": {"kto_tag": "kto_tag"},
-}
-FORMAT_VALUES = "text, alpaca, sharegpt, messages, preference, kto"
-
-
-@dataclass(frozen=True)
-class RowFormat:
-    """How to read the rows of one source: the layout of the conversation, the task, the columns."""
-
-    layout: Layout
-    task: Task
-    columns: Mapping[str, str] = field(default_factory=dict)  # role -> column name, defaults filled in
-
-
-def detect_format(keys: Collection[str], file: str, columns: Mapping[str, str] | None = None) -> str:
-    """The format a row with these keys is in: text, alpaca, sharegpt, messages, preference or kto.
-
-    Raises UserInputError naming the file, the keys and the `format:` values when the keys
-    fit no format or more than one.
-    """
-    present = _canonical_keys(keys, columns or {})
-    layouts = [name for name, needs in _LAYOUT_KEYS.items() if needs <= present]
-    tasks = [
-        t for t, needs in (("preference", {"chosen", "rejected"}), ("kto", {"kto_tag"})) if needs <= present
-    ]
-    if "label" in present and "kto_tag" not in present:
-        tasks.append("kto")
-    problem = None
-    if len(layouts) != 1:
-        problem = (
-            "they fit no known format" if not layouts else f"they fit several formats ({', '.join(layouts)})"
-        )
-    elif len(tasks) > 1:
-        problem = "they hold both preference (chosen/rejected) and kto (kto_tag/label) columns"
-    elif tasks and layouts[0] == "text":
-        problem = f"a text row cannot be a {tasks[0]} row"
-    if problem:
-        raise UserInputError(
-            f"{file}: cannot detect the data format from the row keys ({', '.join(sorted(keys)) or 'none'}): "
-            f"{problem}. Fix: set `format:` on this source to one of {FORMAT_VALUES} "
-            "(and `columns:` to map your column names)."
-        )
-    return tasks[0] if tasks else layouts[0]
-
-
-_LAYOUT_KEYS = {
-    "sharegpt": {"conversations"},
-    "messages": {"messages"},
-    "alpaca": {"instruction"},
-    "text": {"text"},
-}
-
-
-def _canonical_keys(keys: Collection[str], columns: Mapping[str, str]) -> set[str]:
-    # A mapped column counts as its role's default name, so `columns: {prompt: question}` finds alpaca.
-    defaults = {
-        **LAYOUT_COLUMNS["alpaca"],
-        "messages": "conversations",
-        "chosen": "chosen",
-        "rejected": "rejected",
-    }
-    present = set(keys)
-    for role, column in columns.items():
-        if column in keys and role in defaults:
-            present.add(defaults[role])
-        if column in keys and role == "kto_tag":
-            present.add("kto_tag")
-    return present
-
-
-_SHAREGPT_ONLY_TAGS = {"user_tag", "assistant_tag", "observation_tag", "function_tag", "system_tag"}
-
-
-def layout_of(keys: Collection[str], columns: Mapping[str, str]) -> Layout:
-    """The conversation layout of a preference or kto row: sharegpt, messages or alpaca.
-
-    Explicit columns decide first (sharegpt tags -> sharegpt, alpaca roles -> alpaca, a
-    `messages` column -> sharegpt as in LLaMA-Factory), then the row's keys.
-    """
-    if _SHAREGPT_ONLY_TAGS & set(columns):
-        return "sharegpt"
-    if {"prompt", "query", "response", "history"} & set(columns):
-        return "alpaca"
-    if "messages" in columns and columns["messages"] in keys:
-        return "messages" if "role_tag" in columns else "sharegpt"
-    for layout in ("sharegpt", "messages", "alpaca"):
-        if _LAYOUT_KEYS[layout] <= set(keys):
-            return layout  # type: ignore[return-value]
-    return "alpaca"  # its missing-field errors then say which columns are needed
-
-
-def build_row_format(
-    format_name: str, columns: Mapping[str, str], first_keys: Collection[str], file: str
-) -> RowFormat:
-    """The RowFormat of a source given its `format` and `columns` and the keys of its first row."""
-    if format_name == "auto":
-        format_name = detect_format(first_keys, file, columns)
-    if format_name == "text":
-        raise UserInputError(
-            f"{file}: the rows hold plain text (format text), which is pretraining data. Fix: use "
-            "train.stage: pretrain, or set `format:` to one of alpaca, sharegpt, messages, preference, kto."
-        )
-    task: Task = format_name if format_name in ("preference", "kto") else "sft"  # type: ignore[assignment]
-    layout: Layout = format_name if task == "sft" else layout_of(first_keys, columns)  # type: ignore[assignment]
-    defaults = {**LAYOUT_COLUMNS[layout], **TASK_COLUMNS[task]}
-    if task == "kto" and "kto_tag" not in columns and "kto_tag" not in first_keys and "label" in first_keys:
-        defaults["kto_tag"] = "label"
-    unknown = sorted(set(columns) - set(defaults))
-    if unknown:
-        raise UserInputError(
-            f"{file}: columns.{unknown[0]} is not a column role of format {format_name} ({layout} layout). "
-            f"Fix: use the roles {', '.join(defaults)}."
-        )
-    return RowFormat(layout, task, {**defaults, **columns})
+from lmforge.data.format_detection import RowFormat
 
 
 def read_row(data: Any, origin: Origin, row_format: RowFormat, raw: str = "") -> Example | BadRow:

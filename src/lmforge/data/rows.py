@@ -27,7 +27,8 @@ from lmforge.data.bad_rows import (
     excerpt,
 )
 from lmforge.data.examples import BadRow, Origin
-from lmforge.data.sources import open_parquet, parquet_batches, resolve_paths
+from lmforge.data.source_paths import resolve_paths
+from lmforge.data.sources import open_parquet, parquet_batches
 from lmforge.errors import UserInputError
 
 ROW_SUFFIXES = frozenset({".jsonl", ".json", ".csv", ".parquet", ".arrow"})
@@ -48,7 +49,7 @@ class RawRow:
 
 
 def resolve_row_files(path: str) -> list[Path]:
-    """The row files a source path names, sorted (see `sources.resolve_paths`); a directory
+    """The row files a source path names, sorted (see `source_paths.resolve_paths`); a directory
     saved by `datasets.save_to_disk` reads as data (its metadata files are skipped)."""
     return resolve_paths(path, ROW_SUFFIXES, skip_names=_METADATA_FILES)
 

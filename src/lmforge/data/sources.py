@@ -6,15 +6,14 @@ objects or strings) and `.parquet`. A directory reads only data files: its `.md`
 README/LICENSE files are documentation (name them, or a glob, to train on them). Every
 problem in a file is reported with the file, the line (or row) and a fix; empty documents
 are skipped and counted, never dropped silently, and a source with no document at all is an
-error naming its config key (data.train.N.path).
+error naming its config key (data.train.N.path). Which files a source names is
+`data.source_paths`'s part.
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
-import logging
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -26,16 +25,9 @@ import pyarrow.parquet as pq
 
 from lmforge.config.schema import SourceConfig
 from lmforge.data.corpus import builtin_files, builtin_version, is_builtin, iter_builtin_documents
+from lmforge.data.source_paths import TEXT_SUFFIXES, files_text, resolve_files, source_label
 from lmforge.errors import UserInputError
 
-logger = logging.getLogger(__name__)
-
-TEXT_SUFFIXES = frozenset({".txt", ".md"})
-SUPPORTED_SUFFIXES = TEXT_SUFFIXES | {".jsonl", ".json", ".parquet"}
-# What sits next to data in a directory without being data: read only when named explicitly.
-_DOC_SUFFIXES = frozenset({".md"})
-_DOC_STEMS = frozenset({"readme", "license", "licence"})
-_GLOB_CHARS = re.compile(r"[*?\[]")
 _PARAGRAPH_BREAK = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")  # one or more blank lines
 _HASH_CHUNK = 1 << 20  # hash files in 1 MiB reads: constant memory, near disk speed
 _PARQUET_BATCH_ROWS = 4096
@@ -52,112 +44,6 @@ class SourceStats:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def resolve_files(source: SourceConfig, *, key: str | None = None) -> list[Path]:
-    """The files of a pretraining text source, sorted; a built-in corpus gives its own files.
-
-    `key` (like "data.train.0.path") names the source in errors.
-    """
-    if is_builtin(source.path):
-        return builtin_files(source.path)
-    return resolve_paths(source.path, SUPPORTED_SUFFIXES, key=key)
-
-
-def source_label(source_path: str, key: str | None) -> str:
-    """How errors name a source: its config key when known, and always its path."""
-    return f"{key}: data source {source_path!r}" if key else f"data source {source_path!r}"
-
-
-def resolve_paths(
-    source_path: str,
-    suffixes: frozenset[str],
-    *,
-    skip_names: frozenset[str] = frozenset(),
-    key: str | None = None,
-) -> list[Path]:
-    """The files a source path names, sorted: the file itself, a glob's matches, or a directory's
-    data files with one of `suffixes`, found recursively (documentation such as README.md and
-    files of other types are skipped with a warning; `skip_names` silently). Shared by text
-    sources and fine-tuning row sources; `key` names the source's config key in errors.
-
-    Raises UserInputError when nothing matches, the path is no regular file or directory,
-    or a named file has an unsupported type.
-    """
-    label = source_label(source_path, key)
-    path = Path(source_path).expanduser()
-    if _GLOB_CHARS.search(source_path):
-        matches = [Path(p) for p in glob.glob(str(path), recursive=True)]
-        files = sorted(p for p in matches if p.is_file())
-        if not files:
-            where = "" if path.is_absolute() else f" from {Path.cwd()}"
-            raise UserInputError(
-                f"{label}: no files found; searched the glob {source_path!r}{where}. "
-                "Fix: point the path at existing data files."
-            )
-    elif path.is_dir():
-        files, ignored = _data_files_in(path, suffixes, skip_names)
-        if not files:
-            raise _empty_directory_error(label, path, suffixes, ignored)
-    elif path.is_file():
-        files = [path]
-    elif path.exists():
-        # /dev/null, a FIFO or a socket: reading one would hang or silently give nothing.
-        raise UserInputError(
-            f"{label}: {path} is not a regular file (it is a device, pipe or socket). "
-            "Fix: point the path at a data file, a directory of data files or a glob."
-        )
-    else:
-        raise UserInputError(
-            f"{label}: no such file or directory (resolved to {path.resolve()}). "
-            "Fix: correct the path, or use a glob like 'data/*.jsonl' or a built-in corpus like "
-            "'builtin:python-stdlib'."
-        )
-    for file in files:
-        if file.suffix.lower() not in suffixes:
-            raise UserInputError(
-                f"{label}: {file} has unsupported type {file.suffix or '(no suffix)'!r}. "
-                f"Fix: use one of {', '.join(sorted(suffixes))}, or narrow the glob."
-            )
-    return files
-
-
-def _is_data_file(file: Path, suffixes: frozenset[str]) -> bool:
-    suffix = file.suffix.lower()
-    return suffix in suffixes and suffix not in _DOC_SUFFIXES and file.stem.lower() not in _DOC_STEMS
-
-
-def _data_files_in(
-    directory: Path, suffixes: frozenset[str], skip_names: frozenset[str]
-) -> tuple[list[Path], list[Path]]:
-    """(data files, ignored files) under `directory`, both sorted."""
-    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name not in skip_names)
-    supported = [p for p in files if _is_data_file(p, suffixes)]
-    ignored = [p for p in files if not _is_data_file(p, suffixes)]
-    if ignored and supported:
-        # Directories often hold READMEs or indexes; say what was ignored instead of failing.
-        examples = ", ".join(str(p) for p in ignored)[:300]
-        logger.warning(
-            "data source %s: ignored %d file(s) that are not data: %s", directory, len(ignored), examples
-        )
-    return supported, ignored
-
-
-def _empty_directory_error(
-    label: str, directory: Path, suffixes: frozenset[str], ignored: list[Path]
-) -> UserInputError:
-    kinds = ", ".join(sorted(suffixes - _DOC_SUFFIXES))
-    skipped = ""
-    if ignored:
-        names = ", ".join(p.relative_to(directory).as_posix() for p in ignored[:5])
-        more = f" and {len(ignored) - 5} more" if len(ignored) > 5 else ""
-        skipped = f"; ignored as not data: {names}{more}"
-        if any(p.suffix.lower() in _DOC_SUFFIXES for p in ignored):
-            skipped += f" (to train on .md files, name them with a glob like '{directory}/**/*.md')"
-    return UserInputError(
-        f"{label}: directory {directory} holds no rows: no data files ({kinds}) in it or below "
-        f"it{skipped}. Fix: put data files there, or point the path at the data."
-    )
 
 
 def iter_documents(
@@ -181,7 +67,7 @@ def iter_documents(
     if stats.documents == 0:
         # Without this the failure surfaces later and elsewhere ("no BPE merges", "0 tokens").
         raise UserInputError(
-            f"{source_label(source.path, key)} holds no rows: its {_files_text(files)} gave no "
+            f"{source_label(source.path, key)} holds no rows: its {files_text(files)} gave no "
             f"non-empty document ({stats.empty_documents_skipped} empty skipped). "
             f"Fix: put data there, or remove this source from {_list_key(key)}."
         )
@@ -386,19 +272,11 @@ def sources_fingerprint(sources: Sequence[SourceConfig], split: str = "train") -
             digest.update(f"{file.resolve()}|{file.stat().st_size}|{file_hash}\n".encode())
         if not holds_rows:
             raise UserInputError(
-                f"{source_label(source.path, key)} holds no rows: {_files_text(files)} "
+                f"{source_label(source.path, key)} holds no rows: {files_text(files)} "
                 f"{'is' if len(files) == 1 else 'are all'} empty ({_emptiness(files)}). "
                 f"Fix: put data there, or remove this source from data.{split}."
             )
     return digest.hexdigest()
-
-
-def _files_text(files: list[Path]) -> str:
-    """How messages name a source's files: 'file a.jsonl' or '3 files (a.jsonl, b.jsonl, ...)'."""
-    if len(files) == 1:
-        return f"file {files[0]}"
-    shown = ", ".join(str(f) for f in files[:3]) + (", ..." if len(files) > 3 else "")
-    return f"{len(files)} files ({shown})"
 
 
 def _emptiness(files: list[Path]) -> str:

@@ -6,15 +6,14 @@ operations. The token stream is appended straight to the cache's `.npy` file, wh
 header is rewritten in place at the end (numpy reserves room for that), so memory holds
 one batch of documents, and no pass copies the data again (except a hold-out split).
 The cache lives in `<cache_dir>/<fingerprint>/` (train.npy, eval.npy, meta.json) and
-appears by an atomic rename, so a crash never leaves a half-written cache.
+appears by an atomic rename, so a crash never leaves a half-written cache. The order of the
+steps is `data.prep`'s; this module supplies the text kind's parts (`_TextKind`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import shutil
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -30,13 +29,13 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from lmforge.config.schema import DataConfig, SourceConfig
-from lmforge.data.cache import build_atomically
+from lmforge.data.bad_rows import BadRowPolicy
+from lmforge.data.block_files import move_rows, set_rows, write_header
+from lmforge.data.prep import prepare, split_holdout
 from lmforge.data.sources import SourceStats, iter_documents, sources_fingerprint
 from lmforge.data.stats import LengthHistogram
 from lmforge.data.tokenizer import BatchEncoder, batch_encoder, encode_documents, tokenizer_fingerprint
 from lmforge.errors import UserInputError
-
-logger = logging.getLogger(__name__)
 
 # Bump when the packing rules or the cache layout change: old caches then stop matching.
 CODE_VERSION = "text-v1"
@@ -44,7 +43,6 @@ CODE_VERSION = "text-v1"
 # busy, while the batch's Encoding objects (~80 bytes per token) stay in the tens of MB.
 _BATCH_CHARS = 2_000_000
 _IN_FLIGHT = 2  # batches being encoded while one is written; memory grows with it
-_COPY_ROWS = 16_384  # blocks moved per step when splitting off eval blocks: bounded memory
 
 
 @dataclass
@@ -75,13 +73,9 @@ class BlockDataset(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-def _uses_holdout(cfg: DataConfig) -> bool:
-    return not cfg.eval and cfg.eval_fraction > 0
-
-
 def data_fingerprint(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> str:
     """sha256 over everything that decides the prepared arrays: data, tokenizer, settings, code."""
-    holdout = _uses_holdout(cfg)
+    holdout = not cfg.eval and cfg.eval_fraction > 0
     parts = {
         "code": CODE_VERSION,
         "train": sources_fingerprint(cfg.train),
@@ -99,39 +93,6 @@ def data_fingerprint(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: 
 def join_with_eos(flat_ids: np.ndarray, lengths: np.ndarray, eos_id: int) -> np.ndarray:
     """Insert `eos_id` after each document of `flat_ids` (documents given by `lengths`)."""
     return np.insert(flat_ids, np.cumsum(lengths), np.int32(eos_id))
-
-
-def split_holdout(n_blocks: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted row indices (train, eval): round(eval_fraction * n_blocks) eval rows, at least 1
-    and at most n_blocks - 1, chosen by a permutation seeded with `seed`."""
-    if n_blocks < 2:
-        raise UserInputError(
-            f"data.eval_fraction={eval_fraction}: the training data makes only {n_blocks} block(s), and "
-            "holding out eval blocks needs at least 2. Fix: add training data, lower data.max_length, "
-            "set data.eval sources, or set data.eval_fraction: 0."
-        )
-    n_eval = min(max(1, round(eval_fraction * n_blocks)), n_blocks - 1)
-    order = np.random.default_rng(seed).permutation(n_blocks)
-    return np.sort(order[n_eval:]), np.sort(order[:n_eval])
-
-
-def _set_npy_rows(file: Path, rows: int, block_length: int) -> None:
-    """Make `file` (npy header + int32 stream) an .npy of shape [rows, block_length]:
-    rewrite its header in place (numpy pads it so the row count can grow) and cut the tail."""
-    with file.open("r+b") as handle:
-        np.lib.format.read_magic(handle)
-        np.lib.format.read_array_header_1_0(handle)
-        data_offset = handle.tell()
-        handle.seek(0)
-        _write_header(handle, rows, block_length)
-        if handle.tell() != data_offset:  # cannot happen while numpy keeps its growth padding
-            raise RuntimeError(f"{file}: .npy header changed size; the stream would be misread")
-        handle.truncate(data_offset + rows * block_length * 4)
-
-
-def _write_header(handle: Any, rows: int, block_length: int) -> None:
-    header = {"descr": "<i4", "fortran_order": False, "shape": (rows, block_length)}
-    np.lib.format.write_array_header_1_0(handle, header)
 
 
 @contextmanager
@@ -174,7 +135,7 @@ class _Packer:
         batches = _document_batches(sources, stats, split)
         histogram = LengthHistogram()
         with out.open("wb") as handle, tqdm(desc=f"tokenize {split}", unit="tok", unit_scale=True) as bar:
-            _write_header(handle, 0, self.block_length)  # rows set when the stream ends
+            write_header(handle, 0, self.block_length)  # rows set when the stream ends
             for index, flat, lengths in self._encoded(batches):
                 with _timed(self.timings, "pack_s"):
                     join_with_eos(flat, lengths, self.eos_id).tofile(handle)
@@ -190,7 +151,7 @@ class _Packer:
                 f"of data.max_length={self.block_length}. Fix: add data or lower data.max_length."
             )
         with _timed(self.timings, "pack_s"):
-            _set_npy_rows(out, stream // self.block_length, self.block_length)
+            set_rows(out, stream // self.block_length, self.block_length)
         return {
             "sources": [{**s.as_dict(), "tokens": n} for s, n in zip(stats, tokens, strict=True)],
             "documents": documents,
@@ -224,54 +185,78 @@ class _Packer:
                     yield index, flat, lengths
 
 
-def _hold_out(train_file: Path, eval_file: Path, fraction: float, seed: int) -> tuple[int, int]:
-    """Move a seeded share of the blocks in `train_file` to `eval_file`; returns (train, eval) rows."""
-    blocks = np.load(train_file, mmap_mode="r+", allow_pickle=False)
-    n_blocks, block_length = blocks.shape
-    train_rows, eval_rows = split_holdout(n_blocks, fraction, seed)
-    np.save(eval_file, blocks[eval_rows], allow_pickle=False)
-    # Compact the kept rows to the front, in order. Safe in place: train_rows is sorted and
-    # train_rows[i] >= i, so no chunk overwrites a row that a later chunk still reads.
-    for start in range(0, len(train_rows), _COPY_ROWS):
-        rows = train_rows[start : start + _COPY_ROWS]
-        blocks[start : start + len(rows)] = blocks[rows]
-    blocks.flush()
-    del blocks
-    _set_npy_rows(train_file, len(train_rows), block_length)
-    return len(train_rows), len(eval_rows)
+@dataclass
+class _BlockFile:
+    """One split as the text kind builds it: blocks already streamed into an .npy file."""
+
+    path: Path
+    rows: int
+    report: dict[str, Any] | None  # what packing its sources gave; None for held-out eval blocks
 
 
-def _build_cache(cfg: DataConfig, packer: _Packer, seed: int, workdir: Path) -> dict[str, Any]:
-    """Write train.npy (and eval.npy) into `workdir`; returns the data report."""
-    train = packer.pack(cfg.train, workdir / "train.npy", "train")
-    evaluation = packer.pack(cfg.eval, workdir / "eval.npy", "eval") if cfg.eval else None
-    n_train, n_eval = train["blocks"], evaluation["blocks"] if evaluation else 0
-    if _uses_holdout(cfg):
-        with _timed(packer.timings, "pack_s"):
-            n_train, n_eval = _hold_out(workdir / "train.npy", workdir / "eval.npy", cfg.eval_fraction, seed)
-    return {
-        "block_length": cfg.max_length,
-        "eos_token_id": packer.eos_id,
-        "train": train,
-        "eval": evaluation,
-        "eval_from": "sources" if cfg.eval else ("held_out_train_blocks" if n_eval else "none"),
-        "train_blocks": n_train,
-        "eval_blocks": n_eval,
-    }
+class _TextKind:
+    """Pretraining text as a `DataKind` of `data.prep`: splits are .npy block files."""
 
+    unit: str = "block"
+    bad_rows: BadRowPolicy | None = None  # documents are plain text: nothing to judge row by row
 
-def _load_cache(path: Path, fingerprint: str, from_cache: bool) -> PreparedText | None:
-    """The cached arrays at `path`, or None when the directory is not a complete, matching cache."""
-    try:
-        meta = json.loads((path / "meta.json").read_text())
+    def __init__(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int) -> None:
+        self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
+        self.meta: dict[str, Any] = {"code_version": CODE_VERSION}
+        self.timings: dict[str, float] = {"read_s": 0.0, "tokenize_s": 0.0, "pack_s": 0.0}
+        self.packer = _Packer(batch_encoder(tokenizer), _eos_id(tokenizer), cfg.max_length, self.timings)
+
+    def fingerprint(self) -> str:
+        return data_fingerprint(self.cfg, self.tokenizer, self.seed)
+
+    def cache_name(self, fingerprint: str) -> str:
+        return fingerprint
+
+    def load(self, path: Path, report: dict[str, Any]) -> tuple[np.ndarray, np.ndarray | None] | None:
         train = np.load(path / "train.npy", mmap_mode="r", allow_pickle=False)
-        has_eval = meta["report"]["eval_blocks"] > 0
+        has_eval = report["eval_blocks"] > 0
         evaluation = np.load(path / "eval.npy", mmap_mode="r", allow_pickle=False) if has_eval else None
-    except (OSError, ValueError, KeyError):
-        return None
-    if meta.get("fingerprint") != fingerprint or train.shape[0] != meta["report"]["train_blocks"]:
-        return None
-    return PreparedText(train, evaluation, fingerprint, path, from_cache, meta["report"])
+        return (train, evaluation) if train.shape[0] == report["train_blocks"] else None
+
+    def read_split(self, sources: Sequence[SourceConfig], split: str, workdir: Path) -> _BlockFile:
+        report = self.packer.pack(sources, workdir / f"{split}.npy", split)
+        return _BlockFile(workdir / f"{split}.npy", report["blocks"], report)
+
+    def size(self, data: _BlockFile) -> int:
+        return data.rows
+
+    def hold_out(
+        self, train: _BlockFile, eval_fraction: float, seed: int, workdir: Path
+    ) -> tuple[_BlockFile, _BlockFile]:
+        train_rows, eval_rows = split_holdout(
+            train.rows,
+            eval_fraction,
+            seed,
+            too_few=f"data.eval_fraction={eval_fraction}: the training data makes only {train.rows} "
+            "block(s), and holding out eval blocks needs at least 2. Fix: add training data, lower "
+            "data.max_length, set data.eval sources, or set data.eval_fraction: 0.",
+        )
+        with _timed(self.timings, "pack_s"):
+            move_rows(train.path, workdir / "eval.npy", train_rows, eval_rows)
+        return (
+            _BlockFile(train.path, len(train_rows), train.report),
+            _BlockFile(workdir / "eval.npy", len(eval_rows), None),
+        )
+
+    def save(self, train: _BlockFile, evaluation: _BlockFile | None, workdir: Path) -> None:
+        pass  # the blocks were streamed into workdir as they were packed
+
+    def report(self, train: _BlockFile, evaluation: _BlockFile | None) -> dict[str, Any]:
+        n_eval = evaluation.rows if evaluation else 0
+        return {
+            "block_length": self.cfg.max_length,
+            "eos_token_id": self.packer.eos_id,
+            "train": train.report,
+            "eval": evaluation.report if evaluation else None,
+            "eval_from": "sources" if self.cfg.eval else ("held_out_train_blocks" if n_eval else "none"),
+            "train_blocks": train.rows,
+            "eval_blocks": n_eval,
+        }
 
 
 def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -293,26 +278,14 @@ def prepare_pretraining_data(
     from a seeded hold-out of `cfg.eval_fraction` of the training blocks. The result is cached
     under `cache_dir/<fingerprint>/` and reused while data, tokenizer and settings are unchanged.
     """
-    timings = {"read_s": 0.0, "tokenize_s": 0.0, "pack_s": 0.0}
-    packer = _Packer(batch_encoder(tokenizer), _eos_id(tokenizer), cfg.max_length, timings)
-    started = time.perf_counter()
-    fingerprint = data_fingerprint(cfg, tokenizer, seed)
-    final = cache_dir / fingerprint
-    if final.exists():
-        cached = _load_cache(final, fingerprint, from_cache=True)
-        if cached is not None:
-            logger.info("prepared data: reusing cache %s", final)
-            return cached
-        logger.warning("prepared data: %s is not a complete cache; rebuilding it", final)
-        shutil.rmtree(final, ignore_errors=True)
-    build_atomically(
-        final,
-        fingerprint,
-        lambda workdir: _build_cache(cfg, packer, seed, workdir),
-        code_version=CODE_VERSION,
+    prepared = prepare(_TextKind(cfg, tokenizer, seed), cfg, seed=seed, cache_dir=cache_dir)
+    train, evaluation = prepared.data
+    return PreparedText(
+        train,
+        evaluation,
+        prepared.fingerprint,
+        prepared.cache_path,
+        prepared.from_cache,
+        prepared.report,
+        prepared.timings,
     )
-    result = _load_cache(final, fingerprint, from_cache=False)
-    if result is None:
-        raise RuntimeError(f"prepared data cache {final} is unreadable right after writing it")
-    result.timings = {**timings, "total_s": time.perf_counter() - started}
-    return result

@@ -3,32 +3,28 @@
 The command lmforge prints with `--dry-run` is the command it runs: torchrun's own argument
 parser reads the same list in this process (the elastic agent runs in-process, so a failed
 worker arrives here as a `ChildFailedError` with its rank, exit code and recorded error).
-Workers record their uncaught error through `record_worker_errors` (on `lmforge train`).
+How a failed worker is recorded and reported is in `lmforge.distributed.worker_failures`.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import shlex
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, ParamSpec, TypeVar
+from typing import Literal
 
 from lmforge.config.redact import redact_argv, redact_text
+from lmforge.distributed.worker_failures import failure_exit_code, failure_lines
 from lmforge.errors import UserInputError
 
 Backend = Literal["torchrun", "deepspeed"]
 WORKER_MODULE = "lmforge.cli.main"
 # Seconds between the agent's checks of its workers: a dead worker is noticed this fast.
 MONITOR_INTERVAL_S = 0.1
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -288,73 +284,3 @@ def run_torchrun(plan: LaunchPlan) -> tuple[int, list[str]]:
 def run_deepspeed(plan: LaunchPlan) -> int:
     """Run the deepspeed launcher as a child process; its exit code."""
     return subprocess.run(plan.command, env={**os.environ, **plan.env}, check=False).returncode
-
-
-# A worker whose collective failed because a peer died says so; it is a consequence, not the cause.
-_PEER_LOST = ("closed by peer", "reset by peer", "remote worker")
-
-
-def _order(err: Any) -> list[tuple[int, Any]]:
-    """Failures, root cause first: errors that only report a lost peer go last, the rest by time
-    (an error file's mtime is finer than the whole seconds torch records)."""
-
-    def key(item: tuple[int, Any]) -> tuple[bool, float]:
-        failure = item[1]
-        try:
-            when = os.stat(failure.error_file).st_mtime
-        except OSError:
-            when = float(failure.timestamp)
-        return any(marker in _last_line(failure) for marker in _PEER_LOST), when
-
-    return sorted(err.failures.items(), key=key)
-
-
-def failure_exit_code(err: Any) -> int:
-    """The first failed worker's exit code; 128+N for a worker killed by signal N (as a shell reports it)."""
-    exitcode = int(_order(err)[0][1].exitcode)
-    if exitcode < 0:
-        return 128 - exitcode
-    return exitcode or 1
-
-
-def failure_lines(err: Any) -> list[str]:
-    """`rank R (local L) failed with exit code X: <last line of its error>` per failed worker."""
-    return [
-        f"rank {rank} (local {failure.local_rank}) failed with exit code {_exit_text(failure.exitcode)}: "
-        f"{_last_line(failure)}"
-        for rank, failure in _order(err)
-    ]
-
-
-def _exit_text(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            return f"{exitcode} (killed by {signal.Signals(-exitcode).name})"
-        except ValueError:
-            return f"{exitcode} (killed by signal {-exitcode})"
-    return str(exitcode)
-
-
-def _last_line(failure: Any) -> str:
-    message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message") or message.get("extraInfo", {}).get("py_callstack", "")
-    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
-    if not lines or "elastic/errors.html" in lines[-1]:
-        return "no error recorded; see the worker's output above"
-    return lines[-1]
-
-
-def record_worker_errors(fn: Callable[_P, _R]) -> Callable[_P, _R | None]:
-    """Under a torchrun agent (`lmforge launch`), write `fn`'s uncaught error to the worker's error file
-    (TORCHELASTIC_ERROR_FILE) so the launcher can name it; re-raises. Does nothing elsewhere."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R | None:
-        if "TORCHELASTIC_ERROR_FILE" not in os.environ:
-            return fn(*args, **kwargs)
-        from torch.distributed.elastic.multiprocessing.errors import record
-
-        return record(fn)(*args, **kwargs)
-
-    return wrapper

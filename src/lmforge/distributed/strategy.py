@@ -16,7 +16,6 @@ from typing import Any, Literal
 import psutil
 import torch
 
-from lmforge.ckpt.atomic import CheckpointStatus
 from lmforge.config import LmforgeConfig
 from lmforge.config.schema import DistributedConfig
 from lmforge.distributed.deepspeed_config import (
@@ -169,12 +168,13 @@ def engine_arguments(plan: Plan, model: Any, *, gradient_checkpointing: bool) ->
 _SHARDED = ("deepspeed", "fsdp")
 
 
-def check_resume_world(resume: CheckpointStatus | None, plan: Plan) -> None:
-    """A checkpoint resumes under the engine and world size that wrote it; DDP and single-process
-    checkpoints hold whole states and resume under any world size (and engine, with new shards)."""
-    if resume is None:
+def check_resume_world(checkpoint: Path | None, plan: Plan) -> None:
+    """The checkpoint to resume from resumes under the engine and world size that wrote it; DDP and
+    single-process checkpoints hold whole states and resume under any world size (and engine, with
+    new shards)."""
+    if checkpoint is None:
         return
-    writer = read_writer(resume.path)
+    writer = read_writer(checkpoint)
     if writer is None:
         return  # written before lmforge recorded its writer: a single-process or DDP checkpoint
     same = writer["engine"] == plan.engine and writer["world_size"] == plan.world.size
@@ -185,10 +185,10 @@ def check_resume_world(resume: CheckpointStatus | None, plan: Plan) -> None:
     wrote = _engine_words(writer)
     now = _engine_words(plan.summary())
     raise UserInputError(
-        f"train.resume: {resume.path} was written by {wrote} and this run is {now}; a sharded checkpoint "
+        f"train.resume: {checkpoint} was written by {wrote} and this run is {now}; a sharded checkpoint "
         f"resumes only under the engine and world size that wrote it. Relaunch with the same settings "
         f"(`lmforge launch CONFIG --nproc-per-node ...` for {writer['world_size']} processes in all), or make "
-        f"a whole model of it with `lmforge ckpt consolidate {resume.path} --out DIR` and start a new run "
+        f"a whole model of it with `lmforge ckpt consolidate {checkpoint} --out DIR` and start a new run "
         f"from it (model.path=DIR, train.resume=never)"
     )
 

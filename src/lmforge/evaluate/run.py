@@ -74,9 +74,9 @@ def evaluate(request: EvalRequest) -> tuple[Path, dict[str, Any]]:
 def _evaluate_run(request: EvalRequest, summary: dict[str, Any]) -> tuple[Path, Any, Any]:
     """The run's final/ model on the config's eval data, as the data stage prepares it."""
     from lmforge.config import load_config
+    from lmforge.data.run_data import prepare_run_data
     from lmforge.evaluate.perplexity import dataset_perplexity
-    from lmforge.train.prepare import prepare_run_data
-    from lmforge.train.rundir import RunPaths
+    from lmforge.run_layout import RunPaths
 
     if not request.target.is_file():
         raise UserInputError(f"{request.target}: no such config file")

@@ -17,9 +17,11 @@ from typing import Any
 
 import psutil
 
-from lmforge.monitor.diagnosis import Finding, diagnose_run
+from lmforge.config.recorded import read_recorded_config
+from lmforge.monitor.diagnosis import diagnose_run
 from lmforge.monitor.events import read_events
 from lmforge.monitor.metrics import read_metrics
+from lmforge.monitor.run_view import Finding
 
 GB = 1e9
 PACKAGES = ("lmforge", "torch", "transformers", "peft", "trl", "deepspeed", "accelerate", "datasets")
@@ -109,6 +111,8 @@ def doctor_report(run_dir: Path | None) -> dict[str, Any]:
             "records": len(records),
             "last_step": records[-1].get("step") if records else None,
             "events": kinds,
+            # Keys of an older lmforge, values that no longer validate: read around, and said.
+            "config_notes": list(read_recorded_config(run_dir / "config.yaml").notes),
         }
     return {"environment": env, "run": summary, "findings": [asdict(f) for f in findings]}
 

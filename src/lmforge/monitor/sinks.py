@@ -22,9 +22,9 @@ from typing import Any, Protocol
 from lmforge.config.redact import redact
 from lmforge.config.schema import MonitorConfig
 from lmforge.errors import UserInputError
+from lmforge.monitor.sink_step_axis import STATE_FILE, StepAxisSink
 
 log = logging.getLogger(__name__)
-STATE_FILE = "sinks.json"
 DEFAULT_PROJECT = "lmforge"
 SINK_LOGGERS = ("wandb", "mlflow", "swanlab")
 _EXTRA = {"wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab", "tensorboard": "tensorboard"}
@@ -76,86 +76,7 @@ def _require(name: str) -> None:
         )
 
 
-class _SinkState:
-    """run_dir/sinks.json: each sink's run id and last logged step, rewritten atomically."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / STATE_FILE
-
-    def get(self, sink: str) -> dict[str, Any]:
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            return {}
-        entry = data.get(sink) if isinstance(data, dict) else None
-        return entry if isinstance(entry, dict) else {}
-
-    def put(self, sink: str, entry: dict[str, Any]) -> None:
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            data = {}
-        data[sink] = entry
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data, indent=2), encoding="utf-8")
-        os.replace(tmp, self.path)
-
-
-class _StepAxisSink:
-    """The step guard shared by every sink: (key, step) at most once, steps never backwards."""
-
-    name = "sink"
-
-    def __init__(self, run_dir: Path, resume_step: int | None) -> None:
-        self._state = _SinkState(run_dir)
-        saved = self._state.get(self.name)
-        floor = saved.get("last_step")
-        if resume_step is not None:
-            floor = max(int(floor), resume_step) if floor is not None else resume_step
-        self._floor: int | None = (
-            int(floor) if floor is not None else None
-        )  # steps <= floor were logged before
-        self._step: int | None = None  # the step being logged in this process
-        self._keys_at_step: set[str] = set()
-        self.run_id: str | None = saved.get("run_id")
-        self.skipped = 0  # records (or parts) refused by the guard
-        self._closed = False
-
-    def log(self, record: dict[str, Any]) -> None:
-        """Log the numeric values of one metrics record at record["step"]."""
-        if self._closed:
-            return
-        step = int(record["step"])
-        if (self._floor is not None and step <= self._floor) or (
-            self._step is not None and step < self._step
-        ):
-            self.skipped += 1
-            return
-        if step != self._step:
-            self._step, self._keys_at_step = step, set()
-        values = {k: v for k, v in _numeric(record).items() if k not in self._keys_at_step}
-        if len(values) < len(_numeric(record)):
-            self.skipped += 1
-        if not values:
-            return
-        self._write(step, values)
-        self._keys_at_step.update(values)
-        self._state.put(self.name, {"run_id": self.run_id, "last_step": step})
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._finish()
-
-    def _write(self, step: int, values: dict[str, float]) -> None:
-        raise NotImplementedError
-
-    def _finish(self) -> None:
-        raise NotImplementedError
-
-
-class TensorBoardSink(_StepAxisSink):
+class TensorBoardSink(StepAxisSink):
     """TensorBoard event files in run_dir/tb, tagged with metrics.jsonl's own key names."""
 
     name = "tensorboard"
@@ -180,7 +101,7 @@ class TensorBoardSink(_StepAxisSink):
         self._writer.close()
 
 
-class WandbSink(_StepAxisSink):
+class WandbSink(StepAxisSink):
     """Weights & Biases: offline unless WANDB_MODE or WANDB_API_KEY says otherwise; files in run_dir/wandb."""
 
     name = "wandb"
@@ -231,7 +152,7 @@ class WandbSink(_StepAxisSink):
         self._run.finish()
 
 
-class MlflowSink(_StepAxisSink):
+class MlflowSink(StepAxisSink):
     """MLflow: MLFLOW_TRACKING_URI if set, else the file store run_dir/mlruns; the same run on resume."""
 
     name = "mlflow"
@@ -299,7 +220,7 @@ class MlflowSink(_StepAxisSink):
         self.client.set_terminated(self._id, "FINISHED")
 
 
-class SwanlabSink(_StepAxisSink):
+class SwanlabSink(StepAxisSink):
     """SwanLab: offline (files in run_dir/swanlog) unless SWANLAB_MODE or SWANLAB_API_KEY says otherwise."""
 
     name = "swanlab"
@@ -334,26 +255,6 @@ class SwanlabSink(_StepAxisSink):
 
     def _finish(self) -> None:
         self._run.finish()
-
-
-def _numeric(record: dict[str, Any]) -> dict[str, float]:
-    """The loggable values of a record: numbers, bools, and the "nan"/"inf" strings of metrics.jsonl."""
-    values: dict[str, float] = {}
-    for key, value in record.items():
-        if key == "step":
-            continue
-        number = _as_float(value)
-        if number is not None:
-            values[key] = number
-    return values
-
-
-def _as_float(value: Any) -> float | None:
-    if isinstance(value, bool | int | float):
-        return float(value)
-    if isinstance(value, str) and value.lower() in ("nan", "inf", "-inf"):
-        return float(value)
-    return None
 
 
 def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:

@@ -9,6 +9,7 @@ Each page is one self-contained HTML file: plots are inline SVG, no script, noth
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from lmforge.report.compare import config_differences, render_comparison
@@ -17,6 +18,7 @@ from lmforge.report.registry import RunRow, find_runs, list_runs
 from lmforge.report.run_page import render_run
 
 REPORT_NAME = "report.html"
+log = logging.getLogger(__name__)
 
 
 def write_report(run_dir: Path, out: Path | None = None, *, verify_hashes: bool = True) -> Path:
@@ -28,6 +30,16 @@ def write_report(run_dir: Path, out: Path | None = None, *, verify_hashes: bool 
     target = Path(out) if out is not None else Path(run_dir) / REPORT_NAME
     _write_atomic(target, render_run(run))
     return target
+
+
+def report_after_run(run_dir: Path) -> None:
+    """report.html for whatever state a run just ended in (finished, stopped or failed): a
+    report never fails the run, so a problem writing it is only logged."""
+    try:
+        # Checkpoints were hashed when they were sealed; `lmforge report` re-hashes on demand.
+        log.info("report: %s", write_report(run_dir, verify_hashes=False))
+    except Exception as err:
+        log.warning("could not write report.html: %s", err)
 
 
 def write_comparison(run_dirs: list[Path], out: Path) -> Path:
@@ -54,6 +66,7 @@ __all__ = [
     "is_run_dir",
     "list_runs",
     "load_run",
+    "report_after_run",
     "write_comparison",
     "write_report",
 ]

@@ -35,7 +35,7 @@ MISSING = "(absent)"
 
 def config_differences(runs: list[RunSummary]) -> list[tuple[str, list[Any]]]:
     """(dotted key, value per run) for every key whose values are not all equal."""
-    flat = [flatten(run.config) for run in runs]
+    flat = [flatten(run.config.as_dict()) for run in runs]
     keys = sorted(set().union(*flat))
     rows = []
     for key in keys:

@@ -17,33 +17,15 @@ import numpy as np
 import yaml
 
 from lmforge.ckpt.atomic import CheckpointStatus, check_checkpoint, list_step_dirs, read_best
+from lmforge.config.recorded import RecordedConfig, recorded_config_from
 from lmforge.errors import UserInputError
 from lmforge.monitor.events import read_events
+from lmforge.run_layout import RunPaths
 
 # Event kinds that end a run, and the status each one means.
 END_KINDS = {"finished": "finished", "failed": "failed", "stopped": "stopped", "signal": "interrupted"}
 RUNNING_WINDOW_S = 600.0  # no end event but metrics written this recently: still running
 EXPORT_SUMMARY = "export.json"
-
-
-@dataclass(frozen=True)
-class _Paths:
-    """PRODUCT.md's run-directory names (train.rundir.RunPaths has them too, but imports torch:
-    `lmforge runs` and `lmforge report` start in a fraction of a second without it)."""
-
-    config: Path
-    manifest: Path
-    metrics: Path
-    events: Path
-    data_report: Path
-    checkpoints: Path
-    final: Path
-    export: Path
-
-
-def _paths(root: Path) -> _Paths:
-    names = ("config.yaml", "manifest.json", "metrics.jsonl", "events", "data_report.json")
-    return _Paths(*(root / name for name in (*names, "checkpoints", "final", "export")))
 
 
 @dataclass
@@ -61,7 +43,7 @@ class Series:
 class RunSummary:
     root: Path
     name: str
-    config: dict[str, Any]
+    config: RecordedConfig  # config.yaml through the schema (repairs noted in `problems`)
     config_text: str
     manifest: dict[str, Any]
     records: int
@@ -79,7 +61,7 @@ class RunSummary:
 
     @property
     def stage(self) -> str:
-        return str(_dig(self.config, "train", "stage") or "?")
+        return self.config.train.stage if "train" in self.config.sections else "?"
 
     @property
     def last_step(self) -> int | None:
@@ -117,7 +99,7 @@ class RunSummary:
 
 def is_run_dir(path: Path) -> bool:
     """A directory lmforge wrote a run into (training, or at least the data stage)."""
-    paths = _paths(path)
+    paths = RunPaths(path)
     return (
         path.is_dir()
         and (paths.config.is_file() or paths.metrics.is_file())
@@ -132,10 +114,10 @@ def load_run(root: Path, *, verify_hashes: bool = True) -> RunSummary:
             f"{root}: not a run directory (no config.yaml with metrics.jsonl, manifest.json or "
             "data_report.json); pass runs/<name> as written by `lmforge train`"
         )
-    paths = _paths(root)
+    paths = RunPaths(root)
     problems: list[str] = []
     config_text = paths.config.read_text(encoding="utf-8") if paths.config.is_file() else ""
-    config = _yaml_dict(config_text, problems)
+    config = _recorded_config(config_text, problems)
     manifest = _json_file(paths.manifest, problems) or {}
     records, series = read_metric_series(paths.metrics)
     events = sorted(read_events(paths.events), key=lambda e: float(e.get("time") or 0.0))
@@ -145,7 +127,7 @@ def load_run(root: Path, *, verify_hashes: bool = True) -> RunSummary:
     has_final = paths.final.is_dir() and any(paths.final.iterdir())
     started = _parse_time(manifest.get("created"))
     ended = _end_time(paths, events)
-    name = str(_dig(config, "run", "name") or root.name)
+    name = config.run.name if "run" in config.sections else root.name
     return RunSummary(
         root=root,
         name=name,
@@ -246,7 +228,7 @@ def estimated_step(event: dict[str, Any], events: list[dict[str, Any]], last_ste
     return int(round(float(np.interp(float(when), times, steps))))
 
 
-def _end_time(paths: _Paths, events: list[dict[str, Any]]) -> float | None:
+def _end_time(paths: RunPaths, events: list[dict[str, Any]]) -> float | None:
     times = [float(e["time"]) for e in events if isinstance(e.get("time"), int | float)]
     if paths.metrics.is_file():
         times.append(paths.metrics.stat().st_mtime)
@@ -264,13 +246,16 @@ def _parse_time(text: Any) -> float | None:
     return None
 
 
-def _yaml_dict(text: str, problems: list[str]) -> dict[str, Any]:
+def _recorded_config(text: str, problems: list[str]) -> RecordedConfig:
+    """config.yaml's text through the schema; what could not be read as written is a problem."""
     try:
         loaded = yaml.safe_load(text) if text else {}
     except yaml.YAMLError as err:
         problems.append(f"config.yaml is not valid YAML: {err}")
-        return {}
-    return loaded if isinstance(loaded, dict) else {}
+        return RecordedConfig()
+    recorded = recorded_config_from(loaded) if isinstance(loaded, dict) else RecordedConfig()
+    problems.extend(recorded.notes)
+    return recorded
 
 
 def _json_file(path: Path, problems: list[str]) -> dict[str, Any] | None:
@@ -290,11 +275,3 @@ def _safe(read: Any, problems: list[str], what: str) -> Any:
     except (OSError, ValueError) as err:
         problems.append(f"{what} is unreadable: {err}")
         return None
-
-
-def _dig(data: Any, *keys: str) -> Any:
-    for key in keys:
-        if not isinstance(data, dict):
-            return None
-        data = data.get(key)
-    return data

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from lmforge.config.schema import DistributedConfig, ModelConfig, TrainConfig
 from lmforge.report.html import (
     esc,
     flatten,
@@ -72,21 +73,21 @@ def render_run(run: RunSummary) -> str:
 
 def summary_table(run: RunSummary) -> str:
     cfg = run.config
-    model, train, data = (_section(cfg, k) for k in ("model", "train", "data"))
-    sources = [str(s.get("path") or s.get("dataset")) for s in data.get("train") or [] if isinstance(s, dict)]
+    train = cfg.train if "train" in cfg.sections else None
+    sources = [str(s.path or s.dataset) for s in cfg.data.train] if cfg.data is not None else []
     loss, eval_loss = run.last_finite("loss"), run.last_finite("eval_loss")
     best = run.best_eval()
     throughput = run.series.get("tokens_per_s")
     events = Counter(str(e.get("kind")) for e in run.events)
     rows: list[tuple[str, Any]] = [
         ("status", status_badge(run.status)),
-        ("model", _model_line(model)),
-        ("stage / method", f"{train.get('stage', '?')} / {train.get('method', '?')}"),
+        ("model", _model_line(cfg.model)),
+        ("stage / method", f"{train.stage} / {train.method}" if train else "? / ?"),
         ("data", ", ".join(sources) or "?"),
-        ("strategy", _strategy_line(cfg, run.manifest)),
+        ("strategy", _strategy_line(cfg.distributed, run.manifest)),
         ("started", fmt_time(run.started)),
         ("duration", fmt_duration(run.duration_s)),
-        ("steps", f"{run.last_step if run.last_step is not None else 0} of {train.get('max_steps', '?')}"),
+        ("steps", f"{run.last_step if run.last_step is not None else 0} of {_planned_steps(train)}"),
         ("final train loss", f"{fmt_number(loss[1])} (step {loss[0]})" if loss else "not recorded"),
         ("final eval loss", f"{fmt_number(eval_loss[1])} (step {eval_loss[0]})" if eval_loss else "no eval"),
         ("best eval", f"{best[0]} {fmt_number(best[1])} (step {best[2]})" if best else "no eval"),
@@ -265,18 +266,35 @@ def _section(data: dict[str, Any], key: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _model_line(model: dict[str, Any]) -> str:
-    what = model.get("path") or model.get("preset") or "?"
-    return f"{what} ({model.get('dtype', '?')}, attention {model.get('attn_implementation', '?')})"
+def _model_line(model: ModelConfig | None) -> str:
+    if model is None:
+        return "?"
+    return f"{model.path or model.preset or 'inline config'} ({model.dtype}, attention {model.attn_implementation})"
 
 
-def _strategy_line(cfg: dict[str, Any], manifest: dict[str, Any]) -> str:
-    dist = _section(cfg, "distributed")
+def _planned_steps(train: TrainConfig | None) -> str:
+    if train is None:
+        return "?"
+    return str(train.max_steps) if train.max_steps else f"{train.epochs:g} epoch(s)"
+
+
+def _strategy_line(dist: DistributedConfig, manifest: dict[str, Any]) -> str:
+    """The engine the run really used (manifest.json records it); the config's choice for runs
+    written before the manifest did."""
     hardware = manifest.get("hardware") or {}
     devices = ", ".join(hardware.get("gpus") or []) or f"CPU ({hardware.get('cpu_count', '?')} cores)"
-    strategy = dist.get("strategy") or "single process"
-    if dist.get("zero_stage") is not None:
-        strategy += f", ZeRO-{dist['zero_stage']}"
+    used = manifest.get("distributed")
+    if isinstance(used, dict) and used.get("engine"):
+        engine = str(used["engine"])
+        strategy = "single process" if engine == "none" else engine
+        if engine == "deepspeed" and used.get("zero_stage") is not None:
+            strategy += f" ZeRO-{used['zero_stage']}"
+        if engine != "none":
+            strategy += f" x {used.get('world_size', '?')} processes"
+        return f"{strategy} on {devices}"
+    strategy = dist.strategy
+    if dist.strategy == "deepspeed":
+        strategy += f", ZeRO-{dist.zero_stage}"
     return f"{strategy} on {devices}"
 
 

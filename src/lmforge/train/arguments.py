@@ -8,7 +8,7 @@ import torch
 from transformers import TrainingArguments
 
 from lmforge.config.schema import TrainConfig
-from lmforge.train.rundir import RunPaths
+from lmforge.run_layout import RunPaths
 
 # Arguments an engine or a stage may set to another value than lmforge's base, and why. Any
 # other clash is a bug (two places deciding one setting), raised rather than resolved by order.

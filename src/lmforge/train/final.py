@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerBase, Trainer
 
 from lmforge.ckpt.atomic import remove_within
 from lmforge.distributed.ranks import wait_for_everyone
-from lmforge.train.rundir import FINISHED_NAME, RunPaths
+from lmforge.run_layout import FINISHED_NAME, RunPaths
 
 
 def untie_if_diverged(model: Any) -> None:

@@ -26,7 +26,8 @@ from lmforge.ckpt.atomic import CheckpointStatus, check_checkpoint, list_step_di
 from lmforge.ckpt.resumable import resume_problem
 from lmforge.config.schema import TrainConfig
 from lmforge.errors import UserInputError
-from lmforge.train.rundir import RunPaths, holds_training_run, read_finished, start_fresh
+from lmforge.run_layout import RunPaths, holds_training_run, read_finished
+from lmforge.train.rundir import start_fresh
 
 log = logging.getLogger(__name__)
 

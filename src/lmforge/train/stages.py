@@ -15,11 +15,11 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments
 
 from lmforge.config import LmforgeConfig
+from lmforge.data.run_data import RunData
 from lmforge.models.methods import ADAPTER_METHODS
+from lmforge.run_layout import RunPaths
 from lmforge.train.arguments import build_training_arguments
 from lmforge.train.numerics import CountingCollator
-from lmforge.train.prepare import RunData
-from lmforge.train.rundir import RunPaths
 from lmforge.train.trainer import LmforgeTrainer, with_lmforge_step
 
 

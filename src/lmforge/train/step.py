@@ -3,7 +3,7 @@
     for each micro-batch (HF's `training_step`, see train/trainer.py):
         drills due at this step (crash, hang, oom; nan / spike scale the loss)   run_drills, scale_loss
         count its real tokens, on the device (no host sync)                     count_tokens
-        forward + backward (HF), as 2, 4, ... chunks after an out-of-memory     split_batch, back_off
+        forward + backward (HF), as 2, 4, ... chunks after an out-of-memory     batches.split_batch, back_off
         add its loss to the step's, on the device                               add_loss
     once, right before optimizer.step() (HF's `_get_grad_norm` hook):          close_step
         one all_gather of [loss, tokens] over ranks: the step's one host sync
@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from lmforge.distributed.devices import collective_device
 from lmforge.monitor.guard import Guardrails, Verdict
+from lmforge.train.batches import mask_tokens
 from lmforge.train.drills import Drills
 from lmforge.train.numerics import REAL_TOKENS_KEY, memory_metrics, mfu, perplexity
 
@@ -289,35 +290,6 @@ def scale_learning_rate(optimizer: Any, scheduler: Any, scale: float) -> None:
     if optimizer is not None:
         for group in optimizer.param_groups:
             group["lr"] *= scale
-
-
-def mask_tokens(inputs: dict[str, Any]) -> torch.Tensor:
-    """Sum of the 2-D attention masks of every sequence the model runs (chosen, rejected, KL, ...);
-    `prompt_*` masks are parts of those sequences, not sequences of their own (TRL's collators)."""
-    total = torch.zeros((), dtype=torch.int64)
-    for key, value in inputs.items():
-        if key.endswith("attention_mask") and not key.startswith("prompt") and getattr(value, "ndim", 0) == 2:
-            total = total + value.sum().cpu()
-    return total
-
-
-def batch_size(inputs: dict[str, Any]) -> int:
-    return next(v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.ndim >= 1)
-
-
-def split_batch(inputs: dict[str, Any], parts: int) -> list[dict[str, Any]]:
-    """Split every batch-dimension tensor into `parts` chunks; other values are shared."""
-    size = batch_size(inputs)
-    pieces = {
-        key: torch.tensor_split(value, parts)
-        if isinstance(value, torch.Tensor) and value.ndim >= 1 and value.shape[0] == size
-        else None
-        for key, value in inputs.items()
-    }
-    return [
-        {key: (pieces[key][i] if pieces[key] is not None else value) for key, value in inputs.items()}  # type: ignore[index]
-        for i in range(parts)
-    ]
 
 
 def logs_at(args: Any, step: int) -> bool:

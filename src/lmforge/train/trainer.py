@@ -13,8 +13,9 @@ import torch
 from transformers import Trainer
 
 from lmforge.distributed.fsdp import CpuFsdp
+from lmforge.train.batches import batch_size, split_batch
 from lmforge.train.numerics import REAL_TOKENS_KEY
-from lmforge.train.step import TrainStep, batch_size, logs_at, split_batch
+from lmforge.train.step import TrainStep, logs_at
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from lmforge.config import LmforgeConfig
 from lmforge.config.schema import SourceConfig
 from lmforge.data.sources import iter_documents, sources_fingerprint
 from lmforge.data.tokenizer import load_tokenizer, train_tokenizer
-from lmforge.train.rundir import RunPaths
+from lmforge.run_layout import RunPaths
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """The data stage as a run sees it: the tokenizer, the datasets, the collator and the data report.
 
 `train.stage` decides the path: pretraining packs text into fixed blocks; SFT renders
-conversations with the chat template and batches them padded, packed or padding-free.
+conversations with the chat template and batches them padded, packed or padding-free
+(the collator is chosen here); preference and KTO rows go to TRL, which batches them itself.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase, default_data_collator
 
 from lmforge.config import LmforgeConfig
+from lmforge.data.tokenizer_source import obtain_tokenizer
 from lmforge.errors import UserInputError
-from lmforge.models.build import DTYPES
-from lmforge.train.rundir import RunPaths
-from lmforge.train.tokenizer_source import obtain_tokenizer
+from lmforge.run_layout import RunPaths
 
 
 @dataclass
@@ -167,7 +168,8 @@ def _sft_data(
     cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase, cache_dir: Path, paths: RunPaths
 ) -> RunData:
     from lmforge.data.collate import PackedCollator, PaddedCollator, PaddingFreeCollator
-    from lmforge.data.sft import PackedDataset, SampleDataset, prepare_sft_data
+    from lmforge.data.ragged import PackedDataset, SampleDataset
+    from lmforge.data.sft import prepare_sft_data
 
     sft = prepare_sft_data(
         cfg.data,
@@ -185,7 +187,7 @@ def _sft_data(
         collator: Callable[[list[Any]], dict[str, Any]] = PackedCollator(
             pad_token_id=tokenizer.pad_token_id,
             attn_implementation=cfg.model.attn_implementation,
-            dtype=DTYPES[cfg.model.dtype],
+            dtype=getattr(torch, cfg.model.dtype),  # model.dtype names a torch dtype: "bfloat16", ...
         )
     else:
         train = SampleDataset(sft.train)

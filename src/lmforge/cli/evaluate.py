@@ -1,0 +1,113 @@
+"""`lmforge eval` and `lmforge generate`: measure a trained model, or talk to it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from lmforge.cli.console import console
+from lmforge.errors import UserInputError
+
+
+def eval_command(
+    target: Path = typer.Argument(
+        ..., help="A run's YAML config (evaluates its final/ model) or a model directory."
+    ),
+    data: list[Path] = typer.Option(
+        None,
+        "--data",
+        help="Text (.txt, jsonl with 'text') or QA jsonl rows to evaluate on (repeatable).",
+        show_default=False,
+    ),
+    scoring: str = typer.Option(
+        "exact", "--scoring", help="QA scoring: exact (whitespace-normalised, case-sensitive) or contains."
+    ),
+    max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Longest generated answer, in tokens."),
+    limit: int = typer.Option(
+        None, "--limit", help="Evaluate at most N rows (QA) or blocks (text) per source.", show_default=False
+    ),
+    tasks: str = typer.Option(
+        None,
+        "--tasks",
+        help="lm-evaluation-harness tasks, comma-separated (needs: pip install lm-eval).",
+        show_default=False,
+    ),
+    adapter: Path = typer.Option(
+        None, "--adapter", help="PEFT adapter directory to apply on top of the model.", show_default=False
+    ),
+    out: Path = typer.Option(
+        None,
+        "--out",
+        help="Where to write the JSON summary [default: <model_dir>/eval.json].",
+        show_default=False,
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print only the JSON summary on stdout."),
+) -> None:
+    """Perplexity, QA accuracy and generation samples of a trained model.
+
+    Example: `lmforge eval runs/sft/final --data qa.jsonl --scoring contains --json`
+    """
+    from lmforge.evaluate.run import EvalRequest, evaluate, json_safe, summary_lines
+
+    if scoring not in ("exact", "contains"):
+        raise UserInputError(f"--scoring: {scoring!r} is not one of exact, contains")
+    request = EvalRequest(
+        target=target,
+        data=list(data or []),
+        scoring=scoring,  # type: ignore[arg-type]
+        max_new_tokens=max_new_tokens,
+        limit=limit,
+        tasks=[t.strip() for t in (tasks or "").split(",") if t.strip()],
+        adapter=adapter,
+    )
+    model_dir, summary = evaluate(request)
+    document = json.dumps(json_safe(summary), indent=2)
+    out_path = out or model_dir / "eval.json"
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(document + "\n", encoding="utf-8")
+    if as_json:
+        sys.stdout.write(document + "\n")
+        return
+    for line in summary_lines(summary):
+        console.print(line, markup=False, highlight=False)
+    console.print(f"summary written to {out_path}", markup=False, highlight=False)
+
+
+def generate(
+    model_dir: Path = typer.Argument(..., help="Model directory, adapter directory or a run's final/."),
+    prompt: str = typer.Option(..., "--prompt", help="The user message."),
+    system: str = typer.Option(None, "--system", help="Optional system message.", show_default=False),
+    adapter: Path = typer.Option(
+        None, "--adapter", help="PEFT adapter directory to apply on top of the model.", show_default=False
+    ),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Longest reply, in tokens."),
+    temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature; 0 is greedy."),
+) -> None:
+    """Quick inference with the model's chat template; the reply streams as it is generated.
+
+    Example: `lmforge generate runs/sft/final --prompt 'What is 2 + 3?' --max-new-tokens 32`
+    """
+    from lmforge.evaluate.loading import load_for_inference
+
+    if temperature < 0:
+        raise UserInputError(
+            f"--temperature: {temperature} is negative; use 0 for greedy or a positive value"
+        )
+    model, tokenizer = load_for_inference(model_dir, adapter)  # torch loads after the path checks
+    from transformers import TextStreamer
+
+    from lmforge.evaluate.generation import chat_messages, generate_ids
+
+    # Prints to stdout as tokens come; skip_special_tokens keeps the end-of-turn token out of it.
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    generate_ids(
+        model,
+        tokenizer,
+        chat_messages(prompt, system),
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        streamer=streamer,
+    )  # the streamer ends the reply with a newline

@@ -1,0 +1,108 @@
+"""`lmforge train` and `lmforge prepare`: a training job in this process (what every distributed
+worker runs too), then its report; or the data stage alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from lmforge.cli.ckpt import print_export
+from lmforge.cli.console import OVERRIDES_HELP, console
+from lmforge.config import load_config
+from lmforge.distributed.worker_failures import record_worker_errors
+
+
+@record_worker_errors  # a failed worker's error reaches `lmforge launch`
+def train(
+    config: Path = typer.Argument(..., help="YAML config file."),
+    overrides: list[str] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+) -> None:
+    """Run a training job in this process.
+
+    Example: `lmforge train examples/pretrain_tiny.yaml train.max_steps=50`
+    """
+    from lmforge.report import report_after_run
+    from lmforge.train.runner import run_training
+
+    cfg = load_config(config, overrides)
+    outcome = run_training(cfg, after_run=report_after_run)
+    if outcome.interrupted_by is not None:
+        console.print(
+            f"[bold yellow]stopped[/] by {outcome.interrupted_by} at step {outcome.steps} with a checkpoint; "
+            "run the same command to resume"
+        )
+        return
+    if outcome.already_finished:
+        console.print(
+            f"[bold green]already finished[/] at step {outcome.steps}"
+            + (f" (final loss {outcome.last_loss:.4f})" if outcome.last_loss is not None else "")
+            + "; nothing to train. Model in "
+            f"{outcome.final_dir} (raise train.max_steps to continue it, or run.overwrite=true to start over)"
+        )
+    else:
+        console.print(f"[bold green]done[/] {outcome.steps} steps; model in {outcome.final_dir}")
+    if outcome.last_eval_ppl is not None:
+        console.print(f"eval perplexity: {outcome.first_eval_ppl:.2f} -> {outcome.last_eval_ppl:.2f}")
+    elif outcome.last_eval_loss is not None:  # preference stages: their loss is no perplexity
+        console.print(
+            f"eval loss ({cfg.train.stage}): {outcome.first_eval_loss:.4f} -> {outcome.last_eval_loss:.4f}"
+        )
+    if outcome.export is not None:
+        print_export(outcome.export)
+
+
+def prepare(
+    config: Path = typer.Argument(..., help="YAML config file."),
+    overrides: list[str] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    show: int = typer.Option(
+        0, "--show", help="Print N training samples with the tokens that carry loss highlighted."
+    ),
+) -> None:
+    """Data stage only: load, validate, tokenize, pack and cache the data; print the data report.
+
+    `lmforge train` with the same config reuses the cache.
+
+    Example: `lmforge prepare examples/sft_lora.yaml --show 2`
+    """
+    from rich.text import Text
+
+    from lmforge.data.run_data import first_samples, prepare_run_data, supervised_runs
+
+    cfg = load_config(config, overrides)
+    report_path, tokenizer, data = prepare_run_data(cfg)
+    console.print_json(json.dumps(data.report))
+    # Preference / KTO rows are tokenized by TRL at train time: shown as rendered text.
+    shown = (
+        _show_preference_rows(tokenizer, data, show)
+        if data.conversational_rows
+        else first_samples(data, show)
+    )
+    for number, (ids, labels) in enumerate(shown, start=1):
+        console.rule(
+            f"sample {number}: {len(ids)} tokens, {sum(label != -100 for label in labels)} with loss"
+        )
+        text = Text()
+        for piece, supervised in supervised_runs(tokenizer, ids, labels):
+            text.append(piece, style="bold green" if supervised else "dim")
+        console.print(text)
+    if show and not data.conversational_rows:
+        console.print("[dim]dim: context only (no loss)[/]   [bold green]green: tokens that carry loss[/]")
+    console.print(f"data report written to {report_path}")
+
+
+def _show_preference_rows(tokenizer: Any, data: Any, count: int) -> list[tuple[list[int], list[int]]]:
+    """The first rows as training renders them: the prompt through the chat template, then each answer."""
+    for number in range(min(count, len(data.train))):
+        row = data.train[number]
+        prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        answers = {k: row[k] for k in ("chosen", "rejected", "completion") if k in row}
+        label = f" (label: {'desirable' if row['label'] else 'undesirable'})" if "label" in row else ""
+        console.rule(f"row {number + 1}{label}")
+        console.print(prompt, markup=False, highlight=False, end="")
+        for name, answer in answers.items():
+            console.print(f"[bold green]{name}:[/] ", end="")
+            console.print(answer[0]["content"], markup=False, highlight=False)
+    return []

@@ -1,0 +1,168 @@
+"""The checks that read a run's curves: loss trend, instability, overfitting, data-bound steps
+and a throughput drop (the event-driven checks are in diagnosis.py)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+from lmforge.monitor.run_view import (
+    DATA_BOUND_SHARE,
+    MIN_POINTS,
+    NOISE_SHARE,
+    SPIKE_RATIO,
+    Finding,
+    RunView,
+    fmt,
+    step_list,
+    warmup,
+)
+
+
+def check_loss_trend(run: RunView) -> list[Finding]:
+    losses = [v for _, v in run.losses]
+    if len(losses) < MIN_POINTS:
+        return []
+    head = statistics.median(losses[: max(3, len(losses) // 10)])
+    tail = statistics.median(losses[-max(3, len(losses) // 5) :])
+    if head <= 0.05:  # already near zero: nothing left to fall
+        return []
+    evidence = f"median loss {head:.4g} over the first tenth of {len(losses)} records, {tail:.4g} over the last fifth"
+    if tail > head * 1.1:
+        return [
+            Finding(
+                "loss_rising",
+                "error",
+                "the training loss is rising",
+                evidence,
+                [f"train.lr={fmt(run.lr / 10)}", f"train.warmup_steps={warmup(run)}"],
+                "a rising loss is divergence: the learning rate is too high for this model and batch size",
+            )
+        ]
+    if tail > head * 0.98:
+        return [
+            Finding(
+                "loss_flat",
+                "warning",
+                "the training loss is not falling",
+                evidence,
+                [f"train.lr={fmt(run.lr * 3)}"],
+                "too low a learning rate learns nothing in time (raise it); if it plateaued high from the start, check the "
+                "data: labels all masked (data_report.json: supervised tokens), text and labels shuffled apart, or a "
+                "tokenizer that does not match the model. Too high a learning rate can also stall: try train.lr lower too.",
+            )
+        ]
+    return []
+
+
+def check_unstable(run: RunView) -> list[Finding]:
+    losses = [v for _, v in run.losses]
+    steps = [s for s, _ in run.losses]
+    spikes = [
+        steps[i]
+        for i in range(10, len(losses))
+        if losses[i] > SPIKE_RATIO * statistics.median(losses[i - 10 : i])
+    ]
+    noise = 0.0
+    half = losses[len(losses) // 2 :]
+    if len(half) >= MIN_POINTS and statistics.fmean(half) > 0:
+        smooth = [statistics.median(half[max(0, i - 3) : i + 4]) for i in range(len(half))]
+        noise = statistics.pstdev([x - s for x, s in zip(half, smooth, strict=True)]) / statistics.fmean(half)
+    spike_events = run.events_of("spike")
+    if not (spikes or spike_events or noise > NOISE_SHARE):
+        return []
+    changes = [f"train.lr={fmt(run.lr / 3)}", f"train.warmup_steps={warmup(run)}"]
+    if run.cfg.train.max_grad_norm == 0 or run.cfg.train.max_grad_norm > 1.0:
+        changes.append("train.max_grad_norm=1.0")
+    if noise > NOISE_SHARE and not spikes:  # steady noise rather than spikes: average over more samples
+        changes.append(f"train.grad_accum={run.cfg.train.grad_accum * 2}")
+    if run.cfg.monitor.guard.spike == "off":
+        changes.append("monitor.guard.spike=skip")
+    all_spikes = sorted(set(spikes) | {int(e.get("step", 0)) for e in spike_events})
+    return [
+        Finding(
+            "loss_unstable",
+            "warning",
+            "the training loss spikes or oscillates",
+            f"{len(all_spikes)} spike(s) at step(s) {step_list(all_spikes)}; residual noise {noise:.0%} of the mean loss",
+            changes,
+            "a lower learning rate, a longer warmup and gradient clipping calm the updates (a larger batch calms "
+            "steady noise); spikes at the same steps on "
+            "every run are data: look at the batches there (duplicates, garbage, very long samples).",
+        )
+    ]
+
+
+def check_overfit(run: RunView) -> list[Finding]:
+    if len(run.evals) < 3:
+        return []
+    best_step, best = min(run.evals, key=lambda point: point[1])
+    last_step, last = run.evals[-1]
+    if last_step == best_step or last <= best * 1.05:
+        return []
+    changes = [f"train.max_steps={best_step}", "train.best_metric=eval_loss"]
+    if run.cfg.train.weight_decay == 0:
+        changes.append("train.weight_decay=0.1")
+    if run.cfg.train.method in ("lora", "dora", "qlora"):
+        changes.append("train.lora.dropout=0.1")
+    return [
+        Finding(
+            "overfitting",
+            "warning",
+            "the eval loss rises while training goes on",
+            f"eval_loss best {best:.4g} at step {best_step}, {last:.4g} at step {last_step}",
+            changes,
+            "stop near the best step (best_metric keeps that checkpoint), regularise, or add data",
+        )
+    ]
+
+
+def check_data_bound(run: RunView) -> list[Finding]:
+    shares = run.series("data_wait_share")
+    if not shares or statistics.fmean(shares[len(shares) // 2 :]) < DATA_BOUND_SHARE:
+        return []
+    share = statistics.fmean(shares[len(shares) // 2 :])
+    workers = run.cfg.train.dataloader_workers
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    changes = [f"train.dataloader_workers={max(workers * 2, min(8, max(usable - 1, 1)), 1)}"]
+    if run.cfg.train.stage == "sft" and not (run.cfg.data is not None and run.cfg.data.packing):
+        changes.append("data.packing=true")
+    return [
+        Finding(
+            "data_bound",
+            "warning",
+            "training waits for data",
+            f"{share:.0%} of step time waits for the next batch (mean over the second half)"
+            + (
+                f"; {len(run.events_of('data_bound'))} data_bound event(s)"
+                if run.events_of("data_bound")
+                else ""
+            ),
+            changes,
+            "more DataLoader workers overlap loading with compute; packing removes padding work; a slow disk or a "
+            "network filesystem feeding the data is the other usual cause (`lmforge prepare` caches tokenized data).",
+        )
+    ]
+
+
+def check_slowdown(run: RunView) -> list[Finding]:
+    speed = run.series("tokens_per_s")
+    if len(speed) < MIN_POINTS:
+        return []
+    early = max(statistics.median(speed[i : i + 5]) for i in range(0, len(speed) - 4))
+    late = statistics.median(speed[-max(3, len(speed) // 5) :])
+    if late >= 0.5 * early:
+        return []
+    changes = [] if run.cfg.monitor.system_metrics_seconds else ["monitor.system_metrics_seconds=10"]
+    return [
+        Finding(
+            "throughput_dropped",
+            "warning",
+            "tokens per second fell during the run",
+            f"{late:.4g} tokens/s at the end against {early:.4g} at best",
+            changes
+            + ([f"train.save_every={run.cfg.train.save_every * 4}"] if run.cfg.train.save_every else []),
+            "compare the sys_* metrics (CPU, memory, disk, GPU) around the drop: swapping, other jobs, thermal "
+            "throttling, or checkpoints written too often to slow storage.",
+        )
+    ]

@@ -1,0 +1,109 @@
+"""The run directory of PRODUCT.md, by name: one torch-free definition that training, the
+report, the doctor and evaluation all read (`lmforge runs` and `lmforge report` start in a
+fraction of a second because nothing here imports torch)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / "manifest.json"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def events(self) -> Path:
+        return self.root / "events"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tb"
+
+    @property
+    def data_report(self) -> Path:
+        return self.root / "data_report.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def staging(self) -> Path:
+        """Where HF Trainer writes a checkpoint before it is sealed and renamed into `checkpoints/`."""
+        return self.checkpoints / ".staging"
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.root / "tokenizer"
+
+    @property
+    def final(self) -> Path:
+        return self.root / "final"
+
+    @property
+    def export(self) -> Path:
+        return self.root / "export"
+
+    @property
+    def final_partial(self) -> Path:
+        """Where final/ is written before one rename puts it in place."""
+        return self.root / "final.partial"
+
+    @property
+    def previous(self) -> Path:
+        """Records of earlier attempts that ended before their first checkpoint, kept aside."""
+        return self.root / "previous"
+
+    @property
+    def finished(self) -> Path:
+        """Written inside final/ (so it exists exactly when final/ does): the step training ended at."""
+        return self.final / FINISHED_NAME
+
+    def owned(self) -> list[Path]:
+        """What a training run writes here: the only entries lmforge ever moves or deletes."""
+        names = [
+            *("config.yaml", "manifest.json", "metrics.jsonl", "events", "tb", "data_report.json"),
+            *("checkpoints", "final", "final.partial", "final.old", "export", "report.html", "stacks"),
+            *(
+                "deepspeed_config.json",
+                "bad_rows.jsonl",
+                "tokenizer",
+                "sinks.json",
+                "wandb",
+                "mlruns",
+                "swanlog",
+            ),
+        ]
+        return [self.root / name for name in names]
+
+
+FINISHED_NAME = "lmforge_finished.json"
+
+
+def holds_training_run(paths: RunPaths) -> bool:
+    """Whether training already wrote here (what `lmforge prepare` writes does not count)."""
+    return any(p.exists() for p in (paths.metrics, paths.checkpoints, paths.final))
+
+
+def read_finished(paths: RunPaths) -> dict[str, Any] | None:
+    """{step, max_steps} of a finished run (its final/ is complete), else None."""
+    try:
+        record = json.loads(paths.finished.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None

@@ -1,0 +1,99 @@
+"""The trainer of one run: the stage's HF / TRL trainer with lmforge's callbacks in their order
+(guardrails, metrics, checkpoint sealing, the last step's log and eval, the shard report)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments
+
+from lmforge.ckpt.atomic import CheckpointStatus
+from lmforge.config import LmforgeConfig
+from lmforge.data.run_data import RunData
+from lmforge.distributed.strategy import Plan, engine_arguments
+from lmforge.monitor.metrics import MetricsLog
+from lmforge.monitor.run_monitor import RunMonitor
+from lmforge.run_layout import RunPaths
+from lmforge.train.callbacks import (
+    CheckpointCommitCallback,
+    KillDrillCallback,
+    MetricsCallback,
+    ShardReport,
+    StopAtTheEnd,
+)
+from lmforge.train.guard_callback import GuardCallback
+from lmforge.train.stages import build_stage_trainer
+
+
+class _FinalStepCallback(TrainerCallback):
+    """Log (and evaluate) at the last step too, whatever the cadence: a run's record always
+    ends with its final loss and, when there is eval data, a fresh eval loss."""
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if state.global_step >= state.max_steps:
+            control.should_log = True
+            control.should_evaluate = args.eval_strategy != "no"
+
+
+def assemble_trainer(
+    cfg: LmforgeConfig,
+    model: Any,
+    reference: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    data: RunData,
+    paths: RunPaths,
+    metrics: MetricsLog,
+    resume: CheckpointStatus | None,
+    guard: GuardCallback,
+    monitor: RunMonitor,
+    plan: Plan,
+) -> Trainer:
+    """The stage's HF / TRL trainer with lmforge's callbacks, in the order they must run."""
+    has_eval = data.eval is not None and len(data.eval) > 0  # type: ignore[arg-type]
+    watched = cfg.monitor.enabled
+    callbacks: list[TrainerCallback] = [
+        StopAtTheEnd(),
+        *(
+            [guard] if watched else []
+        ),  # first: its on_save writes guard state before the checkpoint is sealed
+        MetricsCallback(
+            metrics,
+            step_record=(
+                lambda logs, window: {**guard.extra_metrics(logs, window), **monitor.system_metrics()}
+            )
+            if watched
+            else (lambda logs, window: guard.step.record(logs, window, guarded=False)),
+            language_model_loss=cfg.train.stage in ("pretrain", "sft"),
+            listeners=monitor.record_listeners(),
+        ),
+        CheckpointCommitCallback(
+            paths.staging,
+            paths.checkpoints,
+            cfg.train.keep_last,
+            best_metric=cfg.train.best_metric,
+            writer=plan.summary(),
+            drills=guard.step.drills,
+        ),
+        _FinalStepCallback(),
+        ShardReport(sum(p.numel() for p in model.parameters()), plan.engine),
+    ]
+    if cfg.debug.crash_at_step is not None:
+        callbacks.append(KillDrillCallback(guard.step.drills))
+
+    def configure(args: TrainingArguments) -> None:
+        # A fresh run measures where it starts; a resumed one already has that record.
+        args.eval_on_start = args.eval_strategy != "no" and resume is None
+
+    return build_stage_trainer(
+        cfg,
+        model,
+        reference,
+        tokenizer,
+        data,
+        paths,
+        callbacks,
+        has_eval=has_eval,
+        configure=configure,
+        precision=plan.precision,
+        engine_args=engine_arguments(plan, model, gradient_checkpointing=cfg.train.gradient_checkpointing),
+    )
