@@ -6,11 +6,16 @@ defaults (metrics.jsonl, TensorBoard, token counting, NaN-visible logging). Runs
 interleaved (bare, lmforge, bare, lmforge, ...) so drift of the machine hits both.
 
     .venv/bin/python bench/train_overhead.py [--steps 60 --warmup 10 --repeats 2]
+    # a larger model on a GPU, in bf16:
+    python bench/train_overhead.py --precision bf16 --seq-len 1024 \
+        --model-config '{"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12, \
+                         "num_attention_heads": 12, "num_key_value_heads": 12}'
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -40,22 +45,30 @@ class StepClock(TrainerCallback):
         return (len(steady) - 1) / (steady[-1] - steady[0])
 
 
-def lmforge_config(out: Path, steps: int, log_every: int):  # type: ignore[no-untyped-def]
+def lmforge_config(  # type: ignore[no-untyped-def]
+    out: Path,
+    steps: int,
+    log_every: int,
+    *,
+    precision: str = "fp32",
+    seq_len: int = 256,
+    model_config: dict | None = None,
+):
     return load_config(
         None,
         base={
             "run": {"name": "lmforge", "output_dir": str(out), "seed": 0, "overwrite": True},
-            "model": {"preset": "llama-tiny"},
+            "model": {"preset": "llama-tiny", **({"config": model_config} if model_config else {})},
             "tokenizer": {"train": {"vocab_size": 8192, "max_chars": 3_000_000}},
             "data": {
                 "train": [{"path": "builtin:python-stdlib", "max_documents": 400}],
-                "max_length": 256,
+                "max_length": seq_len,
                 "cache_dir": str(out / "cache"),
             },
             "train": {
                 "max_steps": steps,
                 "micro_batch_size": 8,
-                "precision": "fp32",
+                "precision": precision,
                 "log_every": log_every,
                 "resume": "never",
             },
@@ -77,6 +90,7 @@ def run_bare(cfg, tokenizer, data, out: Path) -> StepClock:  # type: ignore[no-u
         save_strategy="no",
         report_to=[],
         use_cpu=not torch.cuda.is_available(),
+        bf16=cfg.train.precision == "bf16",
         seed=cfg.run.seed,
         dataloader_pin_memory=False,
         disable_tqdm=False,
@@ -97,10 +111,20 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--model-config", type=json.loads, default=None, help="llama-tiny fields to override")
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        cfg = lmforge_config(out, opts.steps, opts.log_every)
+        cfg = lmforge_config(
+            out,
+            opts.steps,
+            opts.log_every,
+            precision=opts.precision,
+            seq_len=opts.seq_len,
+            model_config=opts.model_config,
+        )
         tokenizer, data = prepare_data_for_run(cfg, RunPaths(out / "prep"))
         bare, ours = [], []
         for _ in range(opts.repeats):
@@ -110,7 +134,8 @@ def main() -> None:
             ours.append(clock.steps_per_s(opts.warmup))
     ratio = statistics.median(ours) / statistics.median(bare)
     tokens = 8 * cfg.data.max_length
-    print(f"device: {'cuda' if torch.cuda.is_available() else 'cpu'}, threads {torch.get_num_threads()}")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"device: {device}, threads {torch.get_num_threads()}, {opts.precision}, seq {opts.seq_len}")
     print(
         f"bare HF Trainer : {statistics.median(bare):.3f} steps/s ({statistics.median(bare) * tokens:.0f} tokens/s) runs={bare}"
     )

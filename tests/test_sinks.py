@@ -201,3 +201,28 @@ def test_swanlab_offline(tmp_path: Path) -> None:
     metadata = next((tmp_path / "swanlog").glob("run-*/files/swanlab-metadata.json")).read_text()
     assert '"runtime":null' in metadata.replace(" ", "")  # no argv recorded
     _assert_no_secret(tmp_path)
+
+
+def test_tensorboard_resume_floor_is_a_step_it_flushed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TensorBoard flushes every few seconds, not every step; the step a resume skips up to is
+    recorded only once it is on disk, so steps a crash lost before a flush are logged again."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lmforge.monitor import sinks
+
+    monkeypatch.setattr(sinks, "TENSORBOARD_FLUSH_SECONDS", 3600.0)
+    crashed = sinks.TensorBoardSink(tmp_path, "demo", "lmforge", {}, resume_step=None)
+    crashed.log({"step": 1, "loss": 3.0})
+    crashed.log({"step": 2, "loss": 2.0})
+    state = tmp_path / STATE_FILE
+    assert not state.exists() or "tensorboard" not in json.loads(state.read_text())
+    resumed = sinks.TensorBoardSink(tmp_path, "demo", "lmforge", {}, resume_step=1)
+    resumed.log({"step": 2, "loss": 2.5})  # replayed after the checkpoint of step 1: logged
+    resumed.log({"step": 3, "loss": 1.0})
+    resumed.close()
+    assert json.loads(state.read_text())["tensorboard"]["last_step"] == 3
+    board = EventAccumulator(str(tmp_path / "tb"))
+    board.Reload()
+    assert {e.step: e.value for e in board.Scalars("loss")} == {1: 3.0, 2: 2.5, 3: 1.0}

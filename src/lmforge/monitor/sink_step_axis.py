@@ -79,16 +79,23 @@ class StepAxisSink:
             self.skipped += 1
         if not values:
             return
-        self._write(step, values)
+        durable = self._write(step, values)
         self._keys_at_step.update(values)
-        self._state.put(self.name, {"run_id": self.run_id, "last_step": step})
+        if durable:  # the step a resume skips up to is one the sink really holds
+            self._save_last_step()
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             self._finish()
+            self._save_last_step()
 
-    def _write(self, step: int, values: dict[str, float]) -> None:
+    def _save_last_step(self) -> None:
+        if self._step is not None:
+            self._state.put(self.name, {"run_id": self.run_id, "last_step": self._step})
+
+    def _write(self, step: int, values: dict[str, float]) -> bool:
+        """Log `values` at `step`; True when they are stored (not only buffered) on return."""
         raise NotImplementedError
 
     def _finish(self) -> None:

