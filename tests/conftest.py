@@ -27,6 +27,22 @@ def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytes
     monkeypatch.setenv("LMFORGE_CACHE", str(tmp_path_factory.mktemp("cache")))
 
 
+def save_tiny_llama(tokenizer, out: Path) -> Path:  # type: ignore[no-untyped-def]
+    """A small untrained llama (SMALL_ARCH, 128 positions, seed 0) with `tokenizer`, saved as an
+    HF model directory at `out`: the base the fine-tuning tests start from."""
+    import torch
+
+    from lmforge.config.schema import ModelConfig
+    from lmforge.models.build import build_model
+
+    torch.manual_seed(0)
+    build_model(
+        ModelConfig(preset="llama-tiny", config=SMALL_ARCH), tokenizer, max_length=128
+    ).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def run_cli(
     *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: int = 600
 ) -> subprocess.CompletedProcess[str]:

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from lmforge.config.schema import AlertsConfig
+from lmforge.errors import UserInputError
 from lmforge.monitor.alerts import AlertSender
 from lmforge.monitor.events import EventLog
 from tests.conftest import SMALL_ARCH, run_cli
@@ -168,3 +169,39 @@ def test_stall_alert_sends_no_absolute_local_path(
     assert event["stacks"] == "stacks"
     assert event["message"].endswith("stack is in stacks; data corpus.jsonl.")
     assert "stack is in stacks; data corpus.jsonl." in receiver.requests[0]["body"]["text"]
+
+
+def test_flash_attention_without_its_gpu_stops_before_any_work(tmp_path: Path) -> None:
+    config = write_config(tmp_path, tmp_path / "corpus.txt")
+    (tmp_path / "corpus.txt").write_text("some text to read\n" * 50)
+    result = run_cli("train", str(config), "model.attn_implementation=flash_attention_2")
+    assert_user_error(result, "model.attn_implementation: flash_attention_2", "sdpa")
+    assert len(result.stderr.strip().splitlines()) <= 3  # one paragraph, not a 70-line ImportError
+    assert not (tmp_path / "runs" / "bad" / "data_report.json").exists()
+
+
+def test_a_sink_without_its_extra_stops_before_any_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The library is made to look absent (whether or not this machine has it): the run stops at
+    once naming the extra to install, before the tokenizer, data or model are touched."""
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from lmforge.cli.main import app
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "swanlab" else real_find_spec(name, *a)
+    )
+    (tmp_path / "corpus.txt").write_text("some text to read\n" * 50)
+    config = write_config(tmp_path, tmp_path / "corpus.txt")
+    result = CliRunner().invoke(app, ["train", str(config), "monitor.loggers=[tensorboard, swanlab]"])
+    # `lmforge` maps a UserInputError to exit 2 with its message (main(), tested above).
+    assert isinstance(result.exception, UserInputError), result.output
+    assert "pip install 'lmforge[swanlab]'" in str(result.exception) and "monitor.loggers" in str(
+        result.exception
+    )
+    assert not (tmp_path / "runs" / "bad" / "data_report.json").exists()
+    assert not (tmp_path / "runs" / "bad" / "tokenizer").exists()

@@ -93,3 +93,20 @@ def test_torch_dcp_directory(tmp_path: Path) -> None:
         "format": "torch-dcp",
         "world_size": 1,
     }
+
+
+def test_final_of_an_adapter_run_without_a_merged_model(model_dir: tuple[Path, int], tmp_path: Path) -> None:
+    """A LoRA run with export.merge_lora off leaves final/ = adapter/ + tokenizer: inspect names
+    it and describes the adapter instead of refusing the directory."""
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(str(model_dir[0])),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
+    final = tmp_path / "final"
+    model.save_pretrained(final / "adapter")
+    (final / "lmforge_finished.json").write_text(json.dumps({"step": 4}))
+    info = inspect_checkpoint(final)
+    assert info["format"] == "lmforge-final-adapter" and "merge-lora" in info["note"]
+    assert info["adapter"]["format"] == "peft-adapter" and info["adapter"]["r"] == 4
+    result = run_cli("ckpt", "inspect", str(final))
+    assert result.returncode == 0 and "lmforge-final-adapter" in result.stdout

@@ -340,3 +340,17 @@ def test_q8_0_quantization_is_bit_exact_with_gguf_py() -> None:
     reference = gguf.quants.quantize(rows.numpy(), gguf.GGMLQuantizationType.Q8_0)
     assert ours.dtype == reference.dtype == np.uint8 and ours.shape == reference.shape
     assert np.array_equal(ours, reference)
+
+
+def test_modelfile_keeps_qwen2s_default_system_prompt() -> None:
+    """Qwen2's template adds "You are a helpful assistant." to a chat without a system message,
+    so every training sample carried it: the Modelfile's SYSTEM gives it to Ollama too. Plain
+    ChatML has no default, and gets no SYSTEM line."""
+    from lmforge.ckpt.gguf_modelfile import render_modelfile
+    from lmforge.data.chat_templates import BUILTIN_TEMPLATES
+
+    tokenizer = make_spm_tokenizer()
+    assert "SYSTEM" not in render_modelfile("m.gguf", tokenizer)  # ChatML
+    tokenizer.chat_template = BUILTIN_TEMPLATES["qwen2"]
+    modelfile = render_modelfile("m.gguf", tokenizer)
+    assert 'SYSTEM """You are a helpful assistant."""' in modelfile and "TEMPLATE" in modelfile

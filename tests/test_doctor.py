@@ -209,3 +209,48 @@ def test_cli_text_json_and_errors(tmp_path: Path) -> None:
     assert isinstance(missing.exception, UserInputError) and "not a directory" in str(missing.exception)
     with pytest.raises(UserInputError, match="no metrics.jsonl"):
         diagnose_run(tmp_path)
+
+
+def test_diverged_run_is_divergence_not_overfitting(tmp_path: Path) -> None:
+    """lr 0.5: the loss climbs from the start and the eval at step 0 stays the best. The advice
+    is a far lower lr, never `train.max_steps=0`; an error-level finding exits 1."""
+    config = {**CONFIG, "train": {**CONFIG["train"], "lr": 0.5}}
+    records = [{**r, "lr": 0.5, "loss": 3.0 + r["step"] / 40} for r in _healthy()]
+    records.insert(0, {"step": 0, "eval_loss": 3.0, "eval_ppl": math.exp(3.0)})
+    for r in records[1:]:
+        if "eval_loss" in r:
+            r["eval_loss"] = r["loss"] + 0.1
+    run = _run_dir(tmp_path, records, config=config)
+    found = _by_id(run)
+    assert "overfitting" not in found
+    assert found["loss_rising"].changes[0] == "train.lr=0.05"
+    assert not any("max_steps=0" in change for f in found.values() for change in f.changes)
+    app = typer.Typer()
+    app.command()(doctor)
+    assert CliRunner().invoke(app, [str(run)]).exit_code == 1
+    assert CliRunner().invoke(app, [str(run), "--json"]).exit_code == 1
+
+
+def test_stuck_run_gets_orders_of_magnitude_more_lr(tmp_path: Path) -> None:
+    config = {**CONFIG, "train": {**CONFIG["train"], "lr": 1e-7}}
+    records = [{**r, "lr": 1e-7, "loss": 5.0 + 0.02 * math.sin(r["step"])} for r in _healthy()]
+    found = _by_id(_run_dir(tmp_path, records, config=config))
+    assert found["loss_flat"].changes == ["train.lr=1e-5"]
+
+
+def test_oscillating_loss_gets_the_tutorials_advice(tmp_path: Path) -> None:
+    records = [{**r, "loss": r["loss"] * (1.06 if r["step"] % 2 else 0.94)} for r in _healthy()]
+    found = _by_id(_run_dir(tmp_path, records))
+    assert found["loss_oscillating"].changes == [
+        "train.lr=0.0001",
+        "train.grad_accum=4",
+        "train.warmup_steps=10",
+    ]
+    assert "loss_oscillating" not in _by_id(_run_dir(tmp_path / "calm", _healthy()))
+
+
+def test_slow_steps_name_the_levers_not_yet_on(tmp_path: Path) -> None:
+    config = {**CONFIG, "train": {**CONFIG["train"], "precision": "fp32"}}
+    records = [{**r, "step_time_s": 80.0} for r in _healthy()]
+    slow = _by_id(_run_dir(tmp_path, records, config=config))["slow_training"]
+    assert slow.changes == ["train.precision=bf16", "data.packing=true"] and "80.0 s" in slow.evidence

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import typer
 from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
@@ -208,3 +209,18 @@ def test_cli_bad_gpu_mem(tmp_path: Path) -> None:
     result = CliRunner().invoke(_app(), ["estimate", str(_write_config(tmp_path)), "--gpu-mem", "lots"])
     assert result.exit_code == 2
     assert "--gpu-mem: size 'lots'" in result.output and "for example 5GB" in result.output
+
+
+def test_cli_says_which_gpu_memory_it_assumed(tmp_path: Path) -> None:
+    """On a machine without a GPU the estimate is for 80 GB GPUs, and says so; a given size is used
+    as given. (On a GPU host the default is that GPU's memory, recorded as detected.)"""
+    config = str(_write_config(tmp_path))
+    plain = CliRunner().invoke(_app(), ["estimate", config])
+    as_json = json.loads(CliRunner().invoke(_app(), ["estimate", config, "--json"]).stdout)
+    if torch.cuda.is_available():
+        assert as_json["gpu_mem_source"] == "detected" and "no GPU is visible" not in plain.output
+    else:
+        assert as_json["gpu_mem_source"] == "assumed" and as_json["gpu_mem_bytes"] == 80 * 10**9
+        assert "no GPU is visible here: assuming 80GB per GPU (set --gpu-mem for yours)" in plain.output
+    given = json.loads(CliRunner().invoke(_app(), ["estimate", config, "--gpu-mem", "24GB", "--json"]).stdout)
+    assert given["gpu_mem_source"] == "given" and given["gpu_mem_bytes"] == 24 * 10**9

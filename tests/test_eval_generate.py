@@ -277,3 +277,26 @@ def test_eval_of_a_run_config_uses_final_and_the_runs_eval_data(
     else:
         assert summary["run_eval"] is None and "no eval data" in summary["notes"][0]
         assert "run eval data: none" in summary_lines(summary)[0]
+
+
+def test_eval_reads_prompt_response_rows_and_named_columns(models: dict[str, Path], tmp_path: Path) -> None:
+    """{prompt, response}-style rows are recognised as QA rows; any other pair is named with
+    `--columns`, and a row missing a named column is reported with its file:line."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(
+        "".join(json.dumps({"prompt": r["question"], "response": r["answer"]}) + "\n" for r in QA)
+    )
+    assert read_qa_rows(pairs) == [{"question": r["question"], "answer": r["answer"]} for r in QA]
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text("".join(json.dumps({"ask": r["question"], "gold": r["answer"]}) + "\n" for r in QA))
+    result = run_cli(
+        "eval", str(models["trained"]), "--data", str(odd), "--columns", "question=ask,answer=gold", "--json"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout)["accuracy"] >= 0.9
+    wrong = run_cli(
+        "eval", str(models["trained"]), "--data", str(odd), "--columns", "question=ask,answer=gld"
+    )
+    assert wrong.returncode == 2 and f"{odd}:1: row has no 'gld'" in wrong.stderr
+    bad_flag = run_cli("eval", str(models["trained"]), "--data", str(odd), "--columns", "ask")
+    assert bad_flag.returncode == 2 and "--columns question=prompt,answer=response" in bad_flag.stderr

@@ -6,16 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from safetensors.torch import load_file
 
 from lmforge.ckpt.atomic import check_checkpoint
 from lmforge.ckpt.inspect import inspect_checkpoint
-from lmforge.config.schema import ModelConfig, TokenizerTrainConfig
+from lmforge.config.schema import TokenizerTrainConfig
 from lmforge.data.tokenizer import train_tokenizer
-from lmforge.models.build import build_model
-from tests.conftest import ROOT, SMALL_ARCH, run_cli
+from tests.conftest import ROOT, run_cli, save_tiny_llama
 
 pytestmark = pytest.mark.slow
 ALPACA = ROOT / "examples" / "data" / "arithmetic_alpaca.jsonl"
@@ -23,14 +21,8 @@ ALPACA = ROOT / "examples" / "data" / "arithmetic_alpaca.jsonl"
 
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("base") / "model"
     tokenizer = train_tokenizer(ALPACA.read_text().splitlines() * 2, TokenizerTrainConfig(vocab_size=400))
-    torch.manual_seed(0)
-    build_model(
-        ModelConfig(preset="llama-tiny", config=SMALL_ARCH), tokenizer, max_length=128
-    ).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_tiny_llama(tokenizer, tmp_path_factory.mktemp("base") / "model")
 
 
 def train(tmp_path: Path, base: Path, name: str, method: str, export: dict) -> tuple[Path, str]:

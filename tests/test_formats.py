@@ -287,3 +287,29 @@ def test_hub_source_without_network_says_how_to_work_offline(monkeypatch: pytest
         list(
             iter_source_examples(SourceConfig(path="hf://lmforge-test/no-such-dataset"), memory_budget_mb=64)
         )
+
+
+@pytest.mark.parametrize(
+    "prompt,response",
+    [("prompt", "response"), ("question", "answer"), ("input", "output"), ("query", "response")],
+)
+def test_prompt_response_rows_are_detected(tmp_path: Path, prompt: str, response: str) -> None:
+    """Two-column rows (the tutorials' SFT shape) read as one user turn and one answer, with no
+    `format:` or `columns:` needed; the prompt appears once."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{prompt: "What is 2 + 3?", response: "5"}] * 3)
+    examples = read(path)
+    assert len(examples) == 3 and all(isinstance(e, Conversation) for e in examples)
+    assert [(m.role, m.content) for m in examples[0].messages] == [
+        ("user", "What is 2 + 3?"),
+        ("assistant", "5"),
+    ]
+
+
+def test_alpaca_over_other_columns_names_the_columns_fix(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [{"question": "What is 2 + 3?", "answer": "5"}])
+    with pytest.raises(UserInputError) as err:
+        read(path, "alpaca")
+    message = str(err.value)
+    assert "columns: {prompt: question, response: answer}" in message and "on_bad_row" not in message
+    mapped = read(path, "alpaca", columns={"prompt": "question", "response": "answer"})
+    assert [m.content for m in mapped[0].messages] == ["What is 2 + 3?", "5"]

@@ -350,3 +350,17 @@ def test_two_ranks_take_the_same_decision_and_report_rank_statistics(tmp_path: P
         and records[3]["loss_rank_max"] >= records[3]["loss_rank_mean"]
     )
     assert records[6]["straggler"] >= 1.0 and records[6]["slowest_rank"] in (0, 1)
+
+
+def test_spike_check_arms_within_a_short_run() -> None:
+    """A 30-step run with the default 50-step warm-up would never judge a spike: the warm-up is at
+    most a fifth of the run, so a loss x50 at step 20 is caught."""
+    never = Guardrails(GuardConfig())
+    short = Guardrails(GuardConfig(), total_steps=30)
+    assert (never.spike_warmup, short.spike_warmup) == (50, 6)
+    for step in range(1, 20):
+        for guard in (never, short):
+            assert guard.judge(step, 2.0 - 0.01 * step, 1.0).action == "apply"
+    assert never.judge(20, 100.0, 1.0).action == "apply"
+    spike = short.judge(20, 100.0, 1.0)
+    assert (spike.action, spike.kind) == ("skip", "spike")

@@ -139,7 +139,8 @@ def test_dry_run_deepspeed(tmp_path: Path, corpus: Path) -> None:
     got = flags(words)
     assert (got["--num_gpus"], got["--num_nodes"]) == ("2", "1")
     assert (got["--master_addr"], got["--master_port"]) == ("127.0.0.1", "29500")
-    assert words[-4:] == ["--module", "lmforge.cli.main", "train", str(cfg)]
+    # --backend deepspeed over a config that leaves the strategy to auto: the DeepSpeed engine too.
+    assert words[-5:] == ["--module", "lmforge.cli.main", "train", str(cfg), "distributed.strategy=deepspeed"]
 
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-0 slots=2\nnode-1 slots=2\n")
@@ -401,3 +402,25 @@ def test_two_nodes_on_one_machine(tmp_path: Path, corpus: Path) -> None:
     for node, (_, stderr) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, stderr[-3000:]
     assert_trained(tmp_path / "runs" / "run", 6)
+
+
+def test_deepspeed_backend_engine_and_hostfile_layout(tmp_path: Path, corpus: Path) -> None:
+    """--backend deepspeed: the DeepSpeed engine unless the config names another strategy (kept,
+    and said); over a hostfile the node count and master come from the file, and an --nnodes
+    the file contradicts is refused."""
+    cfg = write_config(tmp_path, corpus)
+    shown = run_cli("launch", str(cfg), "--backend", "deepspeed", "--dry-run")
+    assert "# --backend deepspeed: the workers train with the DeepSpeed engine" in shown.stdout
+    named = run_cli("launch", str(cfg), "distributed.strategy=ddp", "--backend", "deepspeed", "--dry-run")
+    assert "they train with distributed.strategy=ddp, as the config says" in named.stdout
+    assert "distributed.strategy=deepspeed" not in named.stdout.strip().splitlines()[-1]
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# two nodes\nnode-0 slots=2\n\nnode-1 slots=2\n")
+    got = flags(dry_run(cfg, "--backend", "deepspeed", "--nproc-per-node", "2", "--hostfile", str(hostfile)))
+    assert (got["--num_nodes"], got["--master_addr"]) == ("2", "node-0")
+    wrong = run_cli(
+        "launch", str(cfg), "--backend", "deepspeed", "--nnodes", "3", "--hostfile", str(hostfile)
+    )
+    assert wrong.returncode == 2
+    assert "--nnodes 3, but --hostfile" in wrong.stderr and "lists 2 host(s) (node-0, node-1)" in wrong.stderr

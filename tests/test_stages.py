@@ -15,12 +15,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from lmforge.config import load_config
-from lmforge.config.schema import ModelConfig, TokenizerTrainConfig
+from lmforge.config.schema import TokenizerTrainConfig
 from lmforge.data.chat_templates import BUILTIN_TEMPLATES
 from lmforge.data.tokenizer import train_tokenizer
-from lmforge.models.build import build_model
 from lmforge.train.runner import run_training
-from tests.conftest import ROOT, SMALL_ARCH, run_cli
+from tests.conftest import ROOT, run_cli, save_tiny_llama
 
 pytestmark = pytest.mark.slow
 DATA = ROOT / "examples" / "data"
@@ -32,15 +31,9 @@ ALPACA = DATA / "arithmetic_alpaca.jsonl"
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small untrained llama (HF directory) with a tokenizer trained on the example data."""
-    out = tmp_path_factory.mktemp("base") / "model"
     texts = [line for path in (PREFERENCE, KTO, ALPACA) for line in path.read_text().splitlines()]
     tokenizer = train_tokenizer(texts * 2, TokenizerTrainConfig(vocab_size=400, min_frequency=1))
-    torch.manual_seed(0)
-    build_model(
-        ModelConfig(preset="llama-tiny", config=SMALL_ARCH), tokenizer, max_length=128
-    ).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+    return save_tiny_llama(tokenizer, tmp_path_factory.mktemp("base") / "model")
 
 
 def write_config(tmp_path: Path, base: Path, name: str, data: Path, **train: Any) -> Path:

@@ -35,6 +35,11 @@ class RunPaths:
         return self.root / "tb"
 
     @property
+    def stacks(self) -> Path:
+        """Every thread's stack, dumped by the stall watchdog."""
+        return self.root / "stacks"
+
+    @property
     def data_report(self) -> Path:
         return self.root / "data_report.json"
 
@@ -65,6 +70,11 @@ class RunPaths:
         return self.root / "final.partial"
 
     @property
+    def history(self) -> Path:
+        """Each earlier launch's config.yaml and manifest.json, in history/launch-<k>/."""
+        return self.root / "history"
+
+    @property
     def previous(self) -> Path:
         """Records of earlier attempts that ended before their first checkpoint, kept aside."""
         return self.root / "previous"
@@ -87,6 +97,7 @@ class RunPaths:
                 "wandb",
                 "mlruns",
                 "swanlog",
+                "history",
             ),
         ]
         return [self.root / name for name in names]

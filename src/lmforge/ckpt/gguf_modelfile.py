@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from transformers import PreTrainedTokenizerBase
 
 _CHATML_END = "<|im_end|>"
@@ -29,11 +31,31 @@ def is_chatml(tokenizer: PreTrainedTokenizerBase) -> bool:
     return rendered == expected
 
 
+def default_system_prompt(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The system message a ChatML-shaped template adds when a conversation has none (Qwen2's
+    "You are a helpful assistant."), found by rendering a conversation without one."""
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "U"}], tokenize=False, add_generation_prompt=True
+        )
+    except Exception:  # noqa: BLE001 - no usable template, no default
+        return None
+    match = re.fullmatch(
+        r"<\|im_start\|>system\n(.*?)<\|im_end\|>\n<\|im_start\|>user\nU<\|im_end\|>\n<\|im_start\|>assistant\n",
+        str(rendered),
+        re.DOTALL,
+    )
+    return match.group(1) if match else None
+
+
 def render_modelfile(gguf_name: str, tokenizer: PreTrainedTokenizerBase) -> str:
     """An Ollama Modelfile for the GGUF next to it."""
     lines = [f"FROM ./{gguf_name}", ""]
     if is_chatml(tokenizer):
         lines.append(f'TEMPLATE """{OLLAMA_CHATML}"""')
+        system = default_system_prompt(tokenizer)
+        if system:  # every training sample carried it; Ollama adds SYSTEM when a chat has none
+            lines.append(f'SYSTEM """{system}"""')
     else:
         lines += [
             "# The chat template is not ChatML and was not translated to Ollama's Go template syntax;",

@@ -42,6 +42,15 @@ def inspect_checkpoint(path: Path) -> dict[str, Any]:
         info.update({"file": ggufs[0].name, **_gguf(ggufs[0])})
     elif (path / "model.onnx").is_file():
         info.update(_onnx(path / "model.onnx"))
+    elif (path / "adapter" / ADAPTER_CONFIG).is_file():  # final/ of an adapter run, merge_lora off
+        base = json.loads((path / "adapter" / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+        info.update(
+            {
+                "format": "lmforge-final-adapter",
+                "note": f"final/ of an adapter run: the PEFT adapter in adapter/ (over {base}) and the "
+                "tokenizer; `lmforge ckpt merge-lora --base BASE --adapter adapter/` makes a full model",
+            }
+        )
     else:
         raise UserInputError(
             f"{path}: not a checkpoint lmforge recognises (an HF model directory with config.json and "

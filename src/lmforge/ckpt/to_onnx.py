@@ -13,6 +13,7 @@ compared with the torch model's; a difference above tolerance fails the conversi
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,7 +67,17 @@ def convert_to_onnx(
     weight_bytes = _weight_bytes(model)
     external = weight_bytes > external_data_threshold
     path = out / ONNX_NAME
-    _export(model).save(str(path), external_data=external)
+    try:
+        program = _export(model)
+    except torch.onnx.OnnxExporterError as err:
+        # An architecture the exporter cannot translate (MoE routing's grouped matmul, say) is
+        # an unsupported combination, not a crash: one paragraph, with the formats that work.
+        raise UserInputError(
+            f"{source}: torch's ONNX exporter cannot translate this {model.config.model_type} model "
+            f"({_root_cause(err)}). ONNX export is tested for llama, qwen2 and mistral decoders; keep this "
+            "model as safetensors (`--to safetensors`) or serve it from its HF directory"
+        ) from None
+    program.save(str(path), external_data=external)
     del model
     try:  # the path form reads external data and works above 2 GiB
         onnx.checker.check_model(str(path), full_check=True)
@@ -150,6 +161,15 @@ class _LogitsOnly(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
+def _root_cause(err: BaseException) -> str:
+    """The first line of the innermost cause (the operator that has no ONNX translation), without
+    the exporter's terminal colours."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()
+    return (text.splitlines()[0] if text else type(err).__name__)[:300]
 
 
 def _export(model: PreTrainedModel) -> Any:

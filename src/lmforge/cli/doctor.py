@@ -22,15 +22,20 @@ def doctor(
 ) -> None:
     """Check the environment; with RUN_DIR, diagnose the run from metrics.jsonl and events/.
 
-    Each finding names the config change to try, as dotted key=value overrides.
+    Each finding names the config change to try, as dotted key=value overrides. Exits 1 when a
+    finding is an error (NaN steps, a rising loss, a stall, a failed run).
 
     Example: `lmforge doctor runs/sft --json`
     """
     from lmforge.monitor.doctor import doctor_report
 
     report = doctor_report(run_dir)
+    # An error-level finding fails the command, so scripts and CI can act on it.
+    failed = any(f["severity"] == "error" for f in report["findings"])
     if as_json:
         print(json.dumps(report, indent=2))
+        if failed:
+            raise typer.Exit(1)
         return
     _print_environment(report["environment"])
     if report["run"] is not None:
@@ -55,6 +60,8 @@ def doctor(
             console.print(f"  try: {' '.join(finding['changes'])}", markup=False)
         if finding["advice"]:
             console.print(f"  why: {finding['advice']}", markup=False)
+    if failed:
+        raise typer.Exit(1)
 
 
 def _print_environment(env: dict[str, Any]) -> None:

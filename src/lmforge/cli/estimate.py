@@ -18,7 +18,12 @@ def estimate(
         None, help="Dotted key=value overrides (train.micro_batch_size=4)."
     ),
     gpus: int = typer.Option(1, "--gpus", help="GPUs per node."),
-    gpu_mem: str = typer.Option("80GB", "--gpu-mem", help="Memory of one GPU, for example 24GB or 80GiB."),
+    gpu_mem: str | None = typer.Option(
+        None,
+        "--gpu-mem",
+        help="Memory of one GPU, for example 24GB or 80GiB [default: this machine's GPU, else 80GB, said so].",
+        show_default=False,
+    ),
     nodes: int = typer.Option(1, "--nodes", help="Number of nodes."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of a table."),
 ) -> None:
@@ -31,6 +36,7 @@ def estimate(
     from lmforge.distributed.estimate import estimate_memory
 
     try:
+        gpu_mem, gpu_mem_source = _gpu_memory(gpu_mem)
         try:
             gpu_mem_bytes = parse_size(gpu_mem)
         except UserInputError as err:
@@ -43,8 +49,10 @@ def estimate(
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     if as_json:
-        typer.echo(json.dumps(result.to_dict(), indent=2))
+        typer.echo(json.dumps({**result.to_dict(), "gpu_mem_source": gpu_mem_source}, indent=2))
         return
+    if gpu_mem_source == "assumed":
+        console.print(f"no GPU is visible here: assuming {gpu_mem} per GPU (set --gpu-mem for yours)")
     shape = result.model
     table = Table(
         title=f"{shape.total_params:,} parameters, {gpus} GPU(s) x {nodes} node(s), "
@@ -70,6 +78,17 @@ def estimate(
     console.print(
         f"recommended: [bold]{result.recommended or 'nothing fits; add GPUs or shrink the batch'}[/]"
     )
+
+
+def _gpu_memory(given: str | None) -> tuple[str, str]:
+    """(--gpu-mem value, where it came from: given, detected from this machine's GPU, or assumed)."""
+    if given is not None:
+        return given, "given"
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_properties(0).total_memory}B", "detected"
+    return "80GB", "assumed"
 
 
 def _gib(n: int) -> str:

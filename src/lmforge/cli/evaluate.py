@@ -38,6 +38,13 @@ def eval_command(
     adapter: Path = typer.Option(
         None, "--adapter", help="PEFT adapter directory to apply on top of the model.", show_default=False
     ),
+    columns: str = typer.Option(
+        None,
+        "--columns",
+        help="QA rows' columns when they are not question/answer, alpaca, messages or a known "
+        "prompt/response pair, for example question=prompt,answer=response.",
+        show_default=False,
+    ),
     out: Path = typer.Option(
         None,
         "--out",
@@ -50,6 +57,7 @@ def eval_command(
 
     Example: `lmforge eval runs/sft/final --data qa.jsonl --scoring contains --json`
     """
+    from lmforge.evaluate.rows import parse_columns
     from lmforge.evaluate.run import EvalRequest, evaluate, json_safe, summary_lines
 
     if scoring not in ("exact", "contains"):
@@ -62,6 +70,7 @@ def eval_command(
         limit=limit,
         tasks=[t.strip() for t in (tasks or "").split(",") if t.strip()],
         adapter=adapter,
+        columns=parse_columns(columns),
     )
     model_dir, summary = evaluate(request)
     document = json.dumps(json_safe(summary), indent=2)

@@ -22,11 +22,21 @@ def launch(
         help="Worker processes per node [default: number of CUDA GPUs, else 1].",
         show_default=False,
     ),
-    nnodes: str = typer.Option("1", "--nnodes", help="Number of nodes, or an elastic range MIN:MAX (1:4)."),
+    nnodes: str = typer.Option(
+        None,
+        "--nnodes",
+        help="Number of nodes, or an elastic range MIN:MAX (1:4) [default: 1; deepspeed: the hostfile's hosts].",
+        show_default=False,
+    ),
     node_rank: int = typer.Option(
         None, "--node-rank", help="This node's rank, 0 on the master [default: 0].", show_default=False
     ),
-    master_addr: str = typer.Option("127.0.0.1", "--master-addr", help="Address of the node with rank 0."),
+    master_addr: str = typer.Option(
+        None,
+        "--master-addr",
+        help="Address of the node with rank 0 [default: 127.0.0.1; deepspeed: the hostfile's first host].",
+        show_default=False,
+    ),
     master_port: int = typer.Option(29500, "--master-port", help="A free port on the master node."),
     backend: str = typer.Option("torchrun", "--backend", help="Launcher: torchrun or deepspeed."),
     max_restarts: int = typer.Option(
@@ -79,19 +89,25 @@ def launch(
     """
     from lmforge.config import load_config
     from lmforge.distributed import launch as plan
+    from lmforge.distributed.hostfile import hostfile_layout
 
     try:
         if backend not in ("torchrun", "deepspeed"):
             raise UserInputError(f"--backend {backend!r}: use torchrun or deepspeed")
         cfg = load_config(config, overrides or [])
+        worker_overrides, engine_note = _engine_for_backend(
+            backend, cfg.distributed.strategy, overrides or []
+        )
+        if backend == "deepspeed" and hostfile is not None:
+            nnodes, master_addr = hostfile_layout(hostfile, nnodes, master_addr)
         request = plan.LaunchRequest(
             config=config,
-            overrides=list(overrides or []),
+            overrides=worker_overrides,
             run_name=cfg.run.name,
             nproc_per_node=nproc_per_node if nproc_per_node is not None else plan.default_nproc_per_node(),
-            nnodes=nnodes,
+            nnodes=nnodes or "1",
             node_rank=node_rank,
-            master_addr=master_addr,
+            master_addr=master_addr or "127.0.0.1",
             master_port=master_port,
             backend=backend,  # type: ignore[arg-type]
             max_restarts=max_restarts,
@@ -106,6 +122,8 @@ def launch(
             target = slurm_out or cfg.run.output_dir / f"{cfg.run.name}.sbatch"
         else:
             launch_plan = plan.plan_launch(request)
+            if engine_note:
+                launch_plan.notes.insert(0, engine_note)
     except UserInputError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
@@ -144,3 +162,21 @@ def launch(
         for line in failures:
             typer.echo(f"  {line}", err=True)
     raise typer.Exit(code)
+
+
+def _engine_for_backend(backend: str, strategy: str, overrides: list[str]) -> tuple[list[str], str | None]:
+    """The workers' overrides and a note: `--backend deepspeed` means the DeepSpeed engine when the
+    config leaves distributed.strategy to auto (it used to run DDP under DeepSpeed's launcher
+    without a word); a strategy the config names is kept, and said."""
+    if backend != "deepspeed":
+        return list(overrides), None
+    if strategy == "auto":
+        return [*overrides, "distributed.strategy=deepspeed"], (
+            "--backend deepspeed: the workers train with the DeepSpeed engine (distributed.strategy=deepspeed)"
+        )
+    if strategy != "deepspeed":
+        return list(overrides), (
+            f"--backend deepspeed starts the workers; they train with distributed.strategy={strategy}, as the "
+            "config says (set distributed.strategy=deepspeed for the DeepSpeed engine)"
+        )
+    return list(overrides), None

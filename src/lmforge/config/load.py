@@ -315,15 +315,16 @@ def _section_model(loc: KeyPath) -> type[BaseModel] | None:
         field = model.model_fields.get(part)
         if field is None:
             return None
-        model = _model_in_annotation(field.annotation)
+        model = model_in_annotation(field.annotation)
     return model
 
 
-def _model_in_annotation(annotation: Any) -> type[BaseModel] | None:
+def model_in_annotation(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model in a field's annotation (`X`, `X | None`, `list[X]`), if there is one."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in getattr(annotation, "__args__", ()) or ():
-        found = _model_in_annotation(arg)
+        found = model_in_annotation(arg)
         if found is not None:
             return found
     return None
@@ -334,7 +335,7 @@ def _all_key_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
     for name, field in model.model_fields.items():
         path = f"{prefix}.{name}" if prefix else name
         paths.append(path)
-        sub = _model_in_annotation(field.annotation)
+        sub = model_in_annotation(field.annotation)
         if sub is not None:
             paths.extend(_all_key_paths(sub, path))
     return paths
@@ -345,7 +346,7 @@ def schema_rows(model: type[BaseModel] = LmforgeConfig, prefix: str = "") -> lis
     rows = []
     for name, field in model.model_fields.items():
         path = f"{prefix}.{name}" if prefix else name
-        sub = _model_in_annotation(field.annotation)
+        sub = model_in_annotation(field.annotation)
         default = "" if field.is_required() else _default_text(field)
         type_text = "section" if sub is not None and sub is field.annotation else _type_text(field.annotation)
         rows.append((path, type_text, default, field.description or ""))

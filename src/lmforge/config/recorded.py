@@ -10,7 +10,6 @@ caller shows. Every value a tool reads is then typed and has the schema's one de
 
 from __future__ import annotations
 
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from lmforge.config.load import model_in_annotation
 from lmforge.config.schema import (
     DataConfig,
     DebugConfig,
@@ -84,7 +84,7 @@ def recorded_config_from(data: dict[str, Any], *, source: str = "config.yaml") -
     for name in set(data) - set(LmforgeConfig.model_fields):
         notes.append(f"{source}: section '{name}' is not part of lmforge's config (any more); ignored")
     for name, info in LmforgeConfig.model_fields.items():
-        model = _section_model(info.annotation)
+        model = model_in_annotation(info.annotation)
         assert model is not None  # every field of LmforgeConfig is a section
         raw = data.get(name)
         if raw is None:
@@ -130,8 +130,8 @@ def _known_keys(
         if info is None:
             notes.append(f"{source}: {dotted}.{key} is not a key of lmforge's config (any more); ignored")
             continue
-        nested = _section_model(info.annotation)
-        item = _section_model(_list_item(info.annotation))
+        nested = model_in_annotation(info.annotation)
+        item = model_in_annotation(_list_item(info.annotation))
         if nested is not None and isinstance(value, dict):
             value = _known_keys(nested, value, f"{dotted}.{key}", source, notes)
         elif item is not None and isinstance(value, list):
@@ -143,23 +143,9 @@ def _known_keys(
     return kept
 
 
-def _section_model(annotation: Any) -> type[BaseModel] | None:
-    """The pydantic model in `annotation` (`X`, `X | None`), if there is one."""
-    candidates = typing.get_args(annotation) if _is_union(annotation) else (annotation,)
-    for candidate in candidates:
-        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate
-    return None
-
-
 def _list_item(annotation: Any) -> Any:
     """The item type of `list[X]` (or `list[X] | None`), else None."""
-    candidates = typing.get_args(annotation) if _is_union(annotation) else (annotation,)
-    for candidate in candidates:
+    for candidate in (annotation, *typing.get_args(annotation)):
         if typing.get_origin(candidate) is list:
             return typing.get_args(candidate)[0]
     return None
-
-
-def _is_union(annotation: Any) -> bool:
-    return typing.get_origin(annotation) in (typing.Union, types.UnionType)

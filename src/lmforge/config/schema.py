@@ -271,6 +271,12 @@ class TrainConfig(Section):
         "auto",
         description="`auto`: continue from the newest complete checkpoint if any; `never`; or a checkpoint path.",
     )
+    resume_changed: Literal["refuse", "allow"] = Field(
+        "refuse",
+        description="A resume whose settings changed the maths (model, tokenizer, data, max_length, batch, "
+        "accumulation, optimizer, schedule, precision, seed) since the checkpoint was written: refuse, "
+        "naming the changes; or allow, recorded as a config_changed event.",
+    )
     dataloader_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
 
 
@@ -344,7 +350,12 @@ class GuardConfig(Section):
         6.0, gt=0, description="A spike is a loss this many standard deviations above the window mean."
     )
     spike_window: int = Field(100, ge=5, description="Steps in the rolling loss window.")
-    spike_warmup: int = Field(50, ge=0, description="Steps before spike detection starts.")
+    spike_warmup: int = Field(
+        50,
+        ge=0,
+        description="Steps before spike detection starts (at most a fifth of train.max_steps, at least 5, "
+        "so short runs are guarded too).",
+    )
     max_bad_steps: int = Field(
         5,
         ge=1,

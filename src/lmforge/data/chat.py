@@ -43,6 +43,7 @@ class TokenizedSample:
     input_ids: np.ndarray  # int32
     labels: np.ndarray  # int32, IGNORE_INDEX where no loss
     origin: Origin | None = None
+    truncated: bool = False  # cut to data.max_length (over_length: truncate)
 
     def as_features(self) -> dict[str, np.ndarray]:
         return {"input_ids": self.input_ids, "labels": self.labels}
@@ -166,6 +167,7 @@ def _finish_sample(
         array, labels = array[:max_length], labels[:max_length]
         if not np.any(labels != IGNORE_INDEX):
             return Dropped("no supervised tokens after truncation", origin, len(array))
+        return TokenizedSample(array, labels, origin, truncated=True)
     return TokenizedSample(array, labels, origin)
 
 

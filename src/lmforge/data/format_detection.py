@@ -45,6 +45,25 @@ TASK_COLUMNS: dict[str, dict[str, str]] = {
     "kto": {"kto_tag": "kto_tag"},
 }
 FORMAT_VALUES = "text, alpaca, sharegpt, messages, preference, kto"
+# Two-column rows people write, prompt column first: read as alpaca with these columns when a
+# row has no layout's own keys (format: auto), and named in the fix when `format: alpaca` is
+# given without `columns:`.
+PROMPT_RESPONSE_PAIRS = (
+    ("prompt", "response"),
+    ("question", "answer"),
+    ("input", "output"),
+    ("query", "response"),
+    ("prompt", "completion"),
+    ("instruction", "response"),
+)
+
+
+def prompt_response_columns(keys: Collection[str]) -> dict[str, str] | None:
+    """`columns:` for a row whose keys are one of PROMPT_RESPONSE_PAIRS, else None."""
+    for prompt, response in PROMPT_RESPONSE_PAIRS:
+        if prompt in keys and response in keys:
+            return {"prompt": prompt, "response": response}
+    return None
 
 
 @dataclass(frozen=True)
@@ -64,6 +83,8 @@ def detect_format(keys: Collection[str], file: str, columns: Mapping[str, str] |
     """
     present = _canonical_keys(keys, columns or {})
     layouts = [name for name, needs in _LAYOUT_KEYS.items() if needs <= present]
+    if not layouts and prompt_response_columns(present):
+        layouts = ["alpaca"]  # {prompt, response}, {question, answer}, ...: build_row_format maps them
     tasks = [
         t for t, needs in (("preference", {"chosen", "rejected"}), ("kto", {"kto_tag"})) if needs <= present
     ]
@@ -137,8 +158,11 @@ def build_row_format(
     format_name: str, columns: Mapping[str, str], first_keys: Collection[str], file: str
 ) -> RowFormat:
     """The RowFormat of a source given its `format` and `columns` and the keys of its first row."""
+    requested = format_name
     if format_name == "auto":
         format_name = detect_format(first_keys, file, columns)
+        if format_name == "alpaca" and not columns and "instruction" not in first_keys:
+            columns = prompt_response_columns(first_keys) or columns
     if format_name == "text":
         raise UserInputError(
             f"{file}: the rows hold plain text (format text), which is pretraining data. Fix: use "
@@ -155,4 +179,29 @@ def build_row_format(
             f"{file}: columns.{unknown[0]} is not a column role of format {format_name} ({layout} layout). "
             f"Fix: use the roles {', '.join(defaults)}."
         )
-    return RowFormat(layout, task, {**defaults, **columns})
+    if requested == "alpaca":
+        _check_alpaca_columns(columns, first_keys, file)
+    merged = {**defaults, **columns}
+    if layout == "alpaca" and "query" not in columns and merged["query"] == merged["prompt"]:
+        merged["query"] = ""  # the prompt is read from alpaca's default input column: no second input
+    return RowFormat(layout, task, merged)
+
+
+def _check_alpaca_columns(columns: Mapping[str, str], first_keys: Collection[str], file: str) -> None:
+    """`format: alpaca` over rows that hold neither the prompt nor the response column it reads
+    is a column mapping to fix, not bad rows to skip: say which `columns:` would read them."""
+    prompt = columns.get("prompt", LAYOUT_COLUMNS["alpaca"]["prompt"])
+    response = columns.get("response", LAYOUT_COLUMNS["alpaca"]["response"])
+    if not first_keys or prompt in first_keys or response in first_keys:
+        return  # no row seen yet, or the columns are there
+    pair = prompt_response_columns(first_keys)
+    fix = (
+        f"set `columns: {{prompt: {pair['prompt']}, response: {pair['response']}}}` on this source (or "
+        "`format: auto`, which recognises these columns)"
+        if pair
+        else "map your columns with `columns: {prompt: <question column>, response: <answer column>}`"
+    )
+    raise UserInputError(
+        f"{file}: format alpaca reads the prompt from '{prompt}' and the response from '{response}', "
+        f"but the rows hold {', '.join(sorted(first_keys)) or 'no keys'}. Fix: {fix}."
+    )

@@ -32,6 +32,7 @@ from lmforge.data.cache import build_atomically, read_meta
 from lmforge.errors import UserInputError
 
 logger = logging.getLogger(__name__)
+QUARANTINE_NAME = "bad_rows.jsonl"  # the quarantined rows, kept with the cache they were dropped from
 
 Split = TypeVar("Split")  # one split as the kind builds it: a file on disk, or rows in memory
 Loaded = TypeVar("Loaded")  # the prepared data as the kind loads it from the cache
@@ -103,6 +104,7 @@ def prepare(
         cached = _load(kind, final, fingerprint, from_cache=True)
         if cached is not None:
             logger.info("prepared data: reusing cache %s", final)
+            _restore_quarantine(kind.bad_rows, final)
             return cached
         logger.warning("prepared data: %s is not a complete cache; rebuilding it", final)
         shutil.rmtree(final, ignore_errors=True)
@@ -120,6 +122,7 @@ def _build(kind: DataKind[Split, Any], cfg: DataConfig, seed: int, workdir: Path
     evaluation = kind.read_split(cfg.eval, "eval", workdir) if cfg.eval else None
     if kind.bad_rows is not None:
         kind.bad_rows.finish()  # raises when too many rows were bad, across both splits
+        _keep_quarantine(kind.bad_rows, workdir)
     if evaluation is None and cfg.eval_fraction > 0:
         train, evaluation = kind.hold_out(train, cfg.eval_fraction, seed, workdir)
     if kind.size(train) == 0:
@@ -144,6 +147,21 @@ def _load(
     if data is None:
         return None
     return Prepared(data, fingerprint, final, from_cache, meta["report"])
+
+
+def _keep_quarantine(policy: BadRowPolicy, workdir: Path) -> None:
+    """The quarantined rows go into the cache too: a later run that reuses it still gets them."""
+    if policy.quarantine_path is not None and policy.quarantine_path.is_file():
+        shutil.copyfile(policy.quarantine_path, workdir / QUARANTINE_NAME)
+
+
+def _restore_quarantine(policy: BadRowPolicy | None, cache: Path) -> None:
+    """A run reusing the cache gets the rows that were dropped building it, where its report
+    says they are (the counts in the report come from the cache)."""
+    kept = cache / QUARANTINE_NAME
+    if policy is not None and policy.quarantine_path is not None and kept.is_file():
+        policy.quarantine_path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(kept, policy.quarantine_path)
 
 
 def split_holdout(

@@ -33,7 +33,7 @@ from lmforge.data.sources import sources_fingerprint
 from lmforge.data.stats import length_histogram
 from lmforge.data.tokenizer import tokenizer_fingerprint
 
-CODE_VERSION = "sft-v1"
+CODE_VERSION = "sft-v2"  # v2: the report counts truncated samples; the cache keeps bad_rows.jsonl
 IGNORE_INDEX = -100
 
 
@@ -146,6 +146,8 @@ class _SftKind:
         return {
             "rows": self.bad_rows.counts(),
             "dropped": dict(self.samples.dropped),
+            # Kept, but cut to data.max_length (over_length: truncate): their ends never train.
+            "truncated": dict(self.samples.truncated),
             "train": _split_report(train, capacity),
             "eval": _split_report(evaluation, capacity) if evaluation is not None else {"samples": 0},
             **_duplicate_counts(train, evaluation),

@@ -36,6 +36,7 @@ class SampleTokenizer:
     def __init__(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, template: str) -> None:
         self.cfg, self.tokenizer, self.template = cfg, tokenizer, template
         self.dropped: Counter[str] = Counter()
+        self.truncated: Counter[str] = Counter()  # samples cut to data.max_length, per split
 
     def all(self, examples: Iterable[Any], split: str, *, workers: int) -> RaggedSamples:
         """Every example of `split` as samples, in order; `workers` processes tokenize them."""
@@ -53,6 +54,8 @@ class SampleTokenizer:
             for chunk in _tokenized_chunks(chunks, self.tokenizer, settings, workers):
                 for reason in chunk.dropped:
                     self.dropped[f"{split}: {reason}"] += 1
+                if chunk.truncated:
+                    self.truncated[split] += chunk.truncated
                 ids.append(chunk.input_ids)
                 labels.append(chunk.labels)
                 lengths.append(chunk.lengths)
@@ -70,6 +73,7 @@ class _TokenizedChunk:
     lengths: np.ndarray
     dropped: list[str]
     rows: int
+    truncated: int  # kept samples that were cut to data.max_length
 
 
 def _pack(results: list[TokenizedSample | Dropped]) -> _TokenizedChunk:
@@ -81,6 +85,7 @@ def _pack(results: list[TokenizedSample | Dropped]) -> _TokenizedChunk:
         np.fromiter((len(r.input_ids) for r in kept), dtype=np.int64, count=len(kept)),
         [r.reason for r in results if isinstance(r, Dropped)],
         len(results),
+        sum(r.truncated for r in kept),
     )
 
 

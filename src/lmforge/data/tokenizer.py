@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from lmforge.config.schema import TokenizerTrainConfig
 from lmforge.errors import UserInputError
 
+log = logging.getLogger(__name__)
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 IM_START = "<|im_start|>"
@@ -122,6 +124,27 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
         f"tokenizer path {path!r} {_why_not_loadable(Path(path).expanduser(), local_error)}. "
         "Fix: point tokenizer.path (or model.path) at a directory saved with save_pretrained "
         "(tokenizer.json + tokenizer_config.json), or set tokenizer.train to train one."
+    )
+
+
+def ensure_pad_token(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Give a tokenizer without a pad token (Llama-2, Llama-3 and Mistral base tokenizers) a
+    stand-in: EOS, else UNK. Every collator masks padding out of attention and labels, so the
+    id only fills positions nothing reads; saying so once keeps the choice visible."""
+    if tokenizer.pad_token_id is not None:
+        return
+    stand_in = tokenizer.eos_token if tokenizer.eos_token_id is not None else tokenizer.unk_token
+    if stand_in is None:
+        raise UserInputError(
+            "tokenizer: it has no pad, eos or unk token, so batches cannot be padded. Fix: add a pad "
+            "token to the tokenizer (tokenizer.add_special_tokens({'pad_token': '<pad>'}) and "
+            "save_pretrained), or train one with tokenizer.train"
+        )
+    tokenizer.pad_token = stand_in
+    log.info(
+        "tokenizer: it has no pad token; batches pad with %r (id %d), which attention masks and labels ignore",
+        stand_in,
+        tokenizer.pad_token_id,
     )
 
 

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from lmforge.config import LmforgeConfig
 from lmforge.config.schema import SourceConfig
 from lmforge.data.sources import iter_documents, sources_fingerprint
-from lmforge.data.tokenizer import load_tokenizer, train_tokenizer
+from lmforge.data.tokenizer import ensure_pad_token, load_tokenizer, train_tokenizer
 from lmforge.run_layout import RunPaths
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,9 @@ def obtain_tokenizer(cfg: LmforgeConfig, paths: RunPaths, cache_dir: Path) -> Pr
         return tokenizer
     path = cfg.tokenizer.path or cfg.model.path
     assert path is not None  # LmforgeConfig guarantees one source
-    return load_tokenizer(path, trust_remote_code=cfg.model.trust_remote_code)
+    tokenizer = load_tokenizer(path, trust_remote_code=cfg.model.trust_remote_code)
+    ensure_pad_token(tokenizer)  # every collator pads; checked here, before data or model work
+    return tokenizer
 
 
 def _trained_tokenizer(cfg: LmforgeConfig, cache_dir: Path) -> PreTrainedTokenizerBase:

@@ -1,7 +1,9 @@
 """Reading evaluation files: plain text for perplexity, question/answer rows for accuracy.
 
-QA rows are jsonl objects with {"question", "answer"} or alpaca {"instruction", "input",
-"output"}; a bad row stops the read with its file:line (evaluation numbers over a silently
+QA rows are jsonl objects with {"question", "answer"}, alpaca {"instruction", "input",
+"output"}, chat {"messages"}, or another prompt/response pair ({prompt, response},
+{input, output}, {query, response}, ...; `--columns question=COL,answer=COL` names any
+other); a bad row stops the read with its file:line (evaluation numbers over a silently
 shortened file would mislead).
 """
 
@@ -11,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
+from lmforge.data.format_detection import prompt_response_columns
 from lmforge.errors import UserInputError
 
 DataKind = Literal["text", "qa"]
@@ -42,8 +45,9 @@ def read_texts(path: Path) -> list[str]:
     return texts
 
 
-def read_qa_rows(path: str | Path) -> list[dict[str, str]]:
-    """{"question", "answer"} dicts from a jsonl file of QA or alpaca rows.
+def read_qa_rows(path: str | Path, columns: dict[str, str] | None = None) -> list[dict[str, str]]:
+    """{"question", "answer"} dicts from a jsonl file of QA, alpaca, chat or prompt/response rows;
+    `columns` ({"question": COL, "answer": COL}) names the two columns to read instead.
 
     Raises UserInputError naming file:line for malformed JSON or a row without a question
     or an answer.
@@ -52,15 +56,30 @@ def read_qa_rows(path: str | Path) -> list[dict[str, str]]:
     _check_file(path)
     rows = []
     for line, row in _jsonl_rows(path):
-        rows.append(_qa_row(row, f"{path}:{line}"))
+        where = f"{path}:{line}"
+        rows.append(_mapped_row(row, columns, where) if columns else _qa_row(row, where))
     if not rows:
         raise UserInputError(f"{path}: no rows; {QA_KEYS}")
     return rows
 
 
+def _mapped_row(row: dict[str, Any], columns: dict[str, str], where: str) -> dict[str, str]:
+    question, answer = row.get(columns["question"]), row.get(columns["answer"])
+    for role, value in (("question", question), ("answer", answer)):
+        if value is None or (isinstance(value, str) and not value.strip()):
+            raise UserInputError(
+                f"{where}: row has no '{columns[role]}' (--columns {role}={columns[role]}); its keys: "
+                f"{', '.join(sorted(row))}"
+            )
+    return {"question": str(question), "answer": str(answer)}
+
+
 def _qa_row(row: dict[str, Any], where: str) -> dict[str, str]:
     if "messages" in row:
         return _chat_row(row["messages"], where)
+    pair = prompt_response_columns(row) if "question" not in row and "instruction" not in row else None
+    if pair is not None:  # {prompt, response}, {input, output}, {query, response}, ...
+        return _mapped_row(row, {"question": pair["prompt"], "answer": pair["response"]}, where)
     if "instruction" in row or "output" in row:
         question: Any = str(row.get("instruction") or "")
         if row.get("input"):
@@ -88,7 +107,21 @@ def _chat_row(messages: Any, where: str) -> dict[str, str]:
 
 
 def _is_qa(row: dict[str, Any]) -> bool:
-    return any(key in row for key in ("question", "answer", "instruction", "output", "messages"))
+    qa_keys = ("question", "answer", "instruction", "output", "messages")
+    return any(key in row for key in qa_keys) or prompt_response_columns(row) is not None
+
+
+def parse_columns(text: str | None) -> dict[str, str] | None:
+    """`--columns question=prompt,answer=response` as {"question": ..., "answer": ...}."""
+    if not text:
+        return None
+    pairs = [part.split("=", 1) for part in text.split(",") if part.strip()]
+    columns = {k.strip(): v.strip() for k, v in (p for p in pairs if len(p) == 2)}
+    if len(pairs) != 2 or set(columns) != {"question", "answer"} or not all(columns.values()):
+        raise UserInputError(
+            f"--columns {text!r}: name both roles, for example --columns question=prompt,answer=response"
+        )
+    return columns
 
 
 def _check_file(path: Path) -> None:

@@ -39,6 +39,7 @@ class EvalRequest:
     tasks: list[str] = field(default_factory=list)
     adapter: Path | None = None
     batch_size: int = 8
+    columns: dict[str, str] | None = None  # QA rows: {"question": COL, "answer": COL}
 
 
 def is_config(target: Path) -> bool:
@@ -49,7 +50,9 @@ def evaluate(request: EvalRequest) -> tuple[Path, dict[str, Any]]:
     """Run every requested evaluation; returns the evaluated model directory and the summary."""
     if request.tasks:
         require_harness()  # fail before minutes of loading, not after
-    sources = [_read_source(path, request.limit) for path in request.data]  # bad rows fail before loading
+    sources = [
+        _read_source(path, request.limit, request.columns) for path in request.data
+    ]  # bad rows fail before loading
     summary: dict[str, Any] = {"data": {}}
     if is_config(request.target):
         model_dir, model, tokenizer = _evaluate_run(request, summary)
@@ -104,11 +107,11 @@ def _evaluate_run(request: EvalRequest, summary: dict[str, Any]) -> tuple[Path, 
     return final, model, tokenizer
 
 
-def _read_source(path: Path, limit: int | None) -> tuple[str, Any]:
+def _read_source(path: Path, limit: int | None, columns: dict[str, str] | None) -> tuple[str, Any]:
     """("text", documents) or ("qa", rows), read and checked."""
-    if data_kind(path) == "text":
+    if columns is None and data_kind(path) == "text":
         return "text", read_texts(path)
-    return "qa", read_qa_rows(path)[:limit]
+    return "qa", read_qa_rows(path, columns)[:limit]
 
 
 def _evaluate_source(

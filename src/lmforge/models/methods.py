@@ -16,7 +16,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
 from transformers import BitsAndBytesConfig, PreTrainedModel
 
-from lmforge.config.schema import TrainConfig
+from lmforge.config.schema import ModelConfig, TrainConfig
 from lmforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,24 @@ def check_method_runs_here(cfg: TrainConfig) -> None:
     if importlib.util.find_spec("bitsandbytes") is None:
         raise UserInputError(
             "train.method: qlora needs bitsandbytes; install it with `pip install bitsandbytes`"
+        )
+
+
+def check_attention_runs_here(cfg: ModelConfig) -> None:
+    """flash_attention_2 needs a CUDA GPU and the flash-attn package: say so before any work
+    (transformers would raise a long ImportError once the model is built)."""
+    if cfg.attn_implementation != "flash_attention_2":
+        return
+    if not torch.cuda.is_available():
+        raise UserInputError(
+            "model.attn_implementation: flash_attention_2 runs on CUDA GPUs only and none is visible here. "
+            "Use model.attn_implementation: sdpa on this machine (with data.packing: true instead of "
+            "data.padding_free), or run on a GPU host"
+        )
+    if importlib.util.find_spec("flash_attn") is None:
+        raise UserInputError(
+            "model.attn_implementation: flash_attention_2 needs the flash-attn package; install it with "
+            "`pip install flash-attn --no-build-isolation`, or use model.attn_implementation: sdpa"
         )
 
 

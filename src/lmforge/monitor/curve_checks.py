@@ -10,6 +10,9 @@ from lmforge.monitor.run_view import (
     DATA_BOUND_SHARE,
     MIN_POINTS,
     NOISE_SHARE,
+    OSCILLATION_FLIPS,
+    OSCILLATION_SWING,
+    SLOW_STEP_SECONDS,
     SPIKE_RATIO,
     Finding,
     RunView,
@@ -46,7 +49,7 @@ def check_loss_trend(run: RunView) -> list[Finding]:
                 "warning",
                 "the training loss is not falling",
                 evidence,
-                [f"train.lr={fmt(run.lr * 3)}"],
+                [f"train.lr={fmt(raised_lr(run.lr))}"],
                 "too low a learning rate learns nothing in time (raise it); if it plateaued high from the start, check the "
                 "data: labels all masked (data_report.json: supervised tokens), text and labels shuffled apart, or a "
                 "tokenizer that does not match the model. Too high a learning rate can also stall: try train.lr lower too.",
@@ -94,11 +97,16 @@ def check_unstable(run: RunView) -> list[Finding]:
 
 
 def check_overfit(run: RunView) -> list[Finding]:
+    """Eval loss rising while the training loss still falls. When the training loss rises too the
+    run diverges (the trend check reports it), and a best eval before the first step (the eval at
+    start) is no step to stop at."""
     if len(run.evals) < 3:
         return []
     best_step, best = min(run.evals, key=lambda point: point[1])
     last_step, last = run.evals[-1]
-    if last_step == best_step or last <= best * 1.05:
+    if last_step == best_step or last <= best * 1.05 or best_step <= 0:
+        return []
+    if not _train_loss_fell(run, best_step, last_step):
         return []
     changes = [f"train.max_steps={best_step}", "train.best_metric=eval_loss"]
     if run.cfg.train.weight_decay == 0:
@@ -164,5 +172,81 @@ def check_slowdown(run: RunView) -> list[Finding]:
             + ([f"train.save_every={run.cfg.train.save_every * 4}"] if run.cfg.train.save_every else []),
             "compare the sys_* metrics (CPU, memory, disk, GPU) around the drop: swapping, other jobs, thermal "
             "throttling, or checkpoints written too often to slow storage.",
+        )
+    ]
+
+
+def raised_lr(lr: float) -> float:
+    """A learning rate to try when the loss does not move: x3 from a usual value; from a very low
+    one, orders of magnitude at once (1e-7 -> 1e-5), up to 3e-4 (x3 of 1e-7 would learn nothing
+    either)."""
+    return lr * 3 if lr >= 1e-4 else min(lr * 100, 3e-4)
+
+
+def _train_loss_fell(run: RunView, start: int, end: int) -> bool:
+    """Whether the training loss around `end` is below the one around `start`."""
+
+    def near(step: int) -> float | None:
+        window = [v for s, v in run.losses if abs(s - step) <= max(5, (end - start) // 10)]
+        return statistics.median(window) if window else None
+
+    before, after = near(start), near(end)
+    return before is None or after is None or after < before
+
+
+def check_oscillating(run: RunView) -> list[Finding]:
+    """A loss that goes up and down step after step (differences alternate in sign) by more than
+    a few percent: updates overshoot. Noise alone alternates about two times in three."""
+    half = [v for _, v in run.losses][len(run.losses) // 2 :]
+    if len(half) < MIN_POINTS or statistics.fmean(half) <= 0:
+        return []
+    diffs = [b - a for a, b in zip(half, half[1:], strict=False)]
+    flips = sum(1 for a, b in zip(diffs, diffs[1:], strict=False) if a * b < 0) / max(len(diffs) - 1, 1)
+    swing = statistics.median(abs(d) for d in diffs) / statistics.fmean(half)
+    if flips < OSCILLATION_FLIPS or swing < OSCILLATION_SWING:
+        return []
+    return [
+        Finding(
+            "loss_oscillating",
+            "warning",
+            "the training loss oscillates from step to step",
+            f"over the second half the loss changed direction at {flips:.0%} of steps, by {swing:.0%} of its "
+            "mean (median step)",
+            [
+                f"train.lr={fmt(run.lr / 3)}",
+                f"train.grad_accum={run.cfg.train.grad_accum * 2}",
+                f"train.warmup_steps={warmup(run)}",
+            ],
+            "each update overshoots: a lower learning rate, a larger batch (accumulation) and a longer warmup "
+            "smooth it",
+        )
+    ]
+
+
+def check_slow(run: RunView) -> list[Finding]:
+    """Steps that take long: the usual levers, from what the config shows is not on yet."""
+    times = run.series("step_time_s")
+    if len(times) < 3 or statistics.median(times) < SLOW_STEP_SECONDS:
+        return []
+    train, data, model = run.cfg.train, run.cfg.data, run.cfg.model
+    changes = []
+    if train.precision in ("fp32", "auto"):
+        changes.append("train.precision=bf16")
+    if train.stage == "sft" and not (data is not None and data.packing):
+        changes.append("data.packing=true")
+    if model is not None and model.attn_implementation == "eager":
+        changes.append("model.attn_implementation=sdpa")
+    if train.gradient_checkpointing:
+        changes.append("train.gradient_checkpointing=false")
+    return [
+        Finding(
+            "slow_training",
+            "warning",
+            "training steps are slow",
+            f"median step time {statistics.median(times):.1f} s over {len(times)} records",
+            changes,
+            "bf16 (GPUs and recent CPUs), packing instead of padding, a fused attention kernel (sdpa, or "
+            "flash attention on GPUs) and a larger micro-batch in place of accumulation raise throughput; "
+            "gradient checkpointing trades about a third of the speed for memory",
         )
     ]

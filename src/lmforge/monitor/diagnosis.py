@@ -15,13 +15,16 @@ from lmforge.errors import UserInputError
 from lmforge.monitor.curve_checks import (
     check_data_bound,
     check_loss_trend,
+    check_oscillating,
     check_overfit,
+    check_slow,
     check_slowdown,
     check_unstable,
 )
 from lmforge.monitor.events import read_events
 from lmforge.monitor.metrics import read_metrics
 from lmforge.monitor.run_view import Finding, RunView, fmt, is_nonfinite, step_list
+from lmforge.run_layout import RunPaths
 
 SEVERITY_ORDER = {"error": 0, "warning": 1, "info": 2}
 
@@ -32,13 +35,14 @@ def diagnose_run(run_dir: Path) -> list[Finding]:
         raise UserInputError(
             f"RUN_DIR {run_dir}: not a directory (a run directory is <run.output_dir>/<run.name>)"
         )
-    metrics_path = run_dir / "metrics.jsonl"
+    paths = RunPaths(run_dir)
+    metrics_path = paths.metrics
     if not metrics_path.is_file():
         raise UserInputError(f"RUN_DIR {run_dir}: no metrics.jsonl; is this a run directory (runs/<name>)?")
     run = RunView(
         read_metrics(metrics_path),
-        read_events(run_dir / "events"),
-        read_recorded_config(run_dir / "config.yaml"),
+        read_events(paths.events),
+        read_recorded_config(paths.config),
     )
     findings: list[Finding] = []
     for check in (
@@ -49,8 +53,10 @@ def diagnose_run(run_dir: Path) -> list[Finding]:
         _failed,
         check_loss_trend,
         check_unstable,
+        check_oscillating,
         check_overfit,
         check_data_bound,
+        check_slow,
         check_slowdown,
     ):
         findings.extend(check(run))

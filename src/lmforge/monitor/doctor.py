@@ -22,6 +22,7 @@ from lmforge.monitor.diagnosis import diagnose_run
 from lmforge.monitor.events import read_events
 from lmforge.monitor.metrics import read_metrics
 from lmforge.monitor.run_view import Finding
+from lmforge.run_layout import RunPaths
 
 GB = 1e9
 PACKAGES = ("lmforge", "torch", "transformers", "peft", "trl", "deepspeed", "accelerate", "datasets")
@@ -102,9 +103,10 @@ def doctor_report(run_dir: Path | None) -> dict[str, Any]:
     summary: dict[str, Any] | None = None
     if run_dir is not None:
         findings += diagnose_run(run_dir)
-        records = read_metrics(run_dir / "metrics.jsonl")
+        paths = RunPaths(run_dir)
+        records = read_metrics(paths.metrics)
         kinds: dict[str, int] = {}
-        for event in read_events(run_dir / "events"):
+        for event in read_events(paths.events):
             kinds[str(event.get("kind"))] = kinds.get(str(event.get("kind")), 0) + 1
         summary = {
             "dir": str(run_dir),
@@ -112,7 +114,7 @@ def doctor_report(run_dir: Path | None) -> dict[str, Any]:
             "last_step": records[-1].get("step") if records else None,
             "events": kinds,
             # Keys of an older lmforge, values that no longer validate: read around, and said.
-            "config_notes": list(read_recorded_config(run_dir / "config.yaml").notes),
+            "config_notes": list(read_recorded_config(paths.config).notes),
         }
     return {"environment": env, "run": summary, "findings": [asdict(f) for f in findings]}
 

@@ -34,6 +34,7 @@ HEALTHY = Verdict("apply")
 @dataclass
 class Guardrails:
     cfg: GuardConfig
+    total_steps: int | None = None  # train.max_steps, when known: short runs arm the spike check sooner
     window: deque[float] = field(default_factory=deque)
     bad_in_a_row: int = 0
     nonfinite_count: int = 0
@@ -86,11 +87,20 @@ class Guardrails:
 
         The deviation has a floor of 1% of the mean: on a very smooth curve a tiny wiggle
         would otherwise count as many sigmas."""
-        if len(self.window) < max(self.cfg.spike_warmup, 5):
+        if len(self.window) < self.spike_warmup:
             return None
         mean = sum(self.window) / len(self.window)
         std = math.sqrt(sum((x - mean) ** 2 for x in self.window) / len(self.window))
         return (loss - mean) / max(std, 0.01 * abs(mean), 1e-8)
+
+    @property
+    def spike_warmup(self) -> int:
+        """Healthy steps seen before spikes are judged: `spike_warmup`, but at most a fifth of the
+        run (a 30-step run would otherwise never arm a 50-step warm-up), and at least 5."""
+        steps = self.cfg.spike_warmup
+        if self.total_steps is not None:
+            steps = min(steps, self.total_steps // 5)
+        return max(steps, 5)
 
     def _remember(self, loss: float) -> None:
         self.window.append(loss)

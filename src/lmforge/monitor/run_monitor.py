@@ -20,6 +20,7 @@ from lmforge.monitor.events import EventLog
 from lmforge.monitor.prometheus import PrometheusExporter
 from lmforge.monitor.sinks import Sink, WandbSink, open_sinks
 from lmforge.monitor.system import SystemSampler
+from lmforge.run_layout import RunPaths
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def open_run_monitor(
     resume_step: int | None,
 ) -> RunMonitor:
     """Open the run's monitoring; `config` is the resolved, redacted config (for the sinks)."""
-    events = EventLog(run_dir / "events")
+    events = EventLog(RunPaths(run_dir).events)
     monitor = RunMonitor(events)
     if alerts_configured(cfg.alerts):
 

@@ -13,6 +13,9 @@ MIN_POINTS = 10  # fewer finite losses than this: no trend findings
 DATA_BOUND_SHARE = 0.2
 SPIKE_RATIO = 1.5  # a loss 50% above the median of the 10 before it
 NOISE_SHARE = 0.15  # residual std / mean loss over the second half
+OSCILLATION_FLIPS = 0.85  # share of steps where the loss changes direction (noise: about 2/3)
+OSCILLATION_SWING = 0.03  # median step-to-step change over the mean loss
+SLOW_STEP_SECONDS = 30.0  # median seconds per optimizer step
 
 
 @dataclass

@@ -23,6 +23,7 @@ from lmforge.config.redact import redact
 from lmforge.config.schema import MonitorConfig
 from lmforge.errors import UserInputError
 from lmforge.monitor.sink_step_axis import STATE_FILE, StepAxisSink
+from lmforge.run_layout import RunPaths
 
 log = logging.getLogger(__name__)
 TENSORBOARD_FLUSH_SECONDS = 5.0  # how stale the TensorBoard view may get between flushes
@@ -67,6 +68,14 @@ def open_sinks(
     return sinks
 
 
+def require_sink_packages(cfg: MonitorConfig) -> None:
+    """UserInputError naming the extra to install for a selected sink whose library is missing;
+    called when a run starts, before its data or model is built."""
+    for name in dict.fromkeys(cfg.loggers):
+        if name in _MODULE:
+            _require(name)
+
+
 def _require(name: str) -> None:
     import importlib.util
 
@@ -91,7 +100,7 @@ class TensorBoardSink(StepAxisSink):
         # purge_step hides what a crashed run logged after its checkpoint, so the TensorBoard
         # step axis never goes backwards either.
         purge = resume_step + 1 if resume_step is not None else None
-        self._writer = SummaryWriter(str(run_dir / "tb"), purge_step=purge)
+        self._writer = SummaryWriter(str(RunPaths(run_dir).tensorboard), purge_step=purge)
         self._flushed_at = time.monotonic()
 
     def _write(self, step: int, values: dict[str, float]) -> bool:

@@ -19,8 +19,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lmforge.config import LmforgeConfig, load_config
 from lmforge.report import write_report
+from lmforge.run_layout import RunPaths, read_finished
 
 SAMPLE_PROMPT = "def main():\n    "
+
+
+class QuickstartInterrupted(Exception):
+    """A stage's training stopped at a checkpoint on SIGINT / SIGTERM; the same command resumes it."""
+
+    def __init__(self, stage: str, signal_name: str, step: int) -> None:
+        super().__init__(f"{stage} stopped by {signal_name} at step {step}")
+        self.stage, self.signal_name, self.step = stage, signal_name, step
 
 
 @dataclass
@@ -35,7 +44,7 @@ class QuickstartState:
 def pretrain_config(state: QuickstartState) -> LmforgeConfig:
     """A tiny Llama pretrained on the Python standard library's source, with a tokenizer trained on it."""
     base = {
-        "run": {"name": "pretrain", "output_dir": str(state.out), "seed": 0, "overwrite": True},
+        "run": {"name": "pretrain", "output_dir": str(state.out), "seed": 0, **_start(state, "pretrain")},
         "model": {"preset": "llama-tiny"},
         "tokenizer": {"train": {"vocab_size": 4096, "max_chars": 4_000_000}},
         "data": {
@@ -55,7 +64,7 @@ def pretrain_config(state: QuickstartState) -> LmforgeConfig:
             "eval_every": max(state.pretrain_steps // 2, 1),
             "save_every": max(state.pretrain_steps // 2, 1),
             "keep_last": 1,
-            "resume": "never",
+            "resume": "auto",  # an interrupted quickstart continues where it stopped
         },
     }
     return load_config(None, base=base)
@@ -65,6 +74,7 @@ def stage_pretrain(state: QuickstartState, console: Console) -> None:
     from lmforge.train.runner import run_training
 
     outcome = run_training(pretrain_config(state))
+    _stop_if_interrupted("pretrain", outcome)
     state.results["pretrain"] = {
         "run_dir": str(outcome.run_dir),
         "final_dir": str(outcome.final_dir),
@@ -77,6 +87,21 @@ def stage_pretrain(state: QuickstartState, console: Console) -> None:
         f"pretrained {outcome.parameters / 1e6:.1f}M-parameter llama for {outcome.steps} steps: "
         f"eval perplexity [bold]{outcome.first_eval_ppl:.1f} -> {outcome.last_eval_ppl:.1f}[/]"
     )
+
+
+def _start(state: QuickstartState, name: str) -> dict[str, Any]:
+    """How a stage's run starts: resumed from its newest checkpoint (the quickstart was
+    interrupted), reported (it finished before with the same steps), or afresh when an earlier
+    quickstart finished it with another step count."""
+    steps = state.pretrain_steps if name == "pretrain" else state.finetune_steps
+    finished = read_finished(RunPaths(state.out / name))
+    target = (finished or {}).get("target") or {}
+    return {"overwrite": finished is not None and target.get("max_steps") != steps}
+
+
+def _stop_if_interrupted(stage: str, outcome: Any) -> None:
+    if outcome.interrupted_by is not None:
+        raise QuickstartInterrupted(stage, outcome.interrupted_by, outcome.steps)
 
 
 def stage_sample(state: QuickstartState, console: Console) -> None:
@@ -108,7 +133,7 @@ HELD_OUT_QUESTIONS = 60
 def finetune_config(state: QuickstartState, train_file: Path) -> LmforgeConfig:
     """LoRA SFT of the pretrained model on the word-group task; the adapter is also merged into final/."""
     base = {
-        "run": {"name": "finetune", "output_dir": str(state.out), "seed": 0, "overwrite": True},
+        "run": {"name": "finetune", "output_dir": str(state.out), "seed": 0, **_start(state, "finetune")},
         "model": {"path": state.results["pretrain"]["final_dir"]},
         "data": {
             "train": [{"path": str(train_file), "format": "alpaca"}],
@@ -130,7 +155,7 @@ def finetune_config(state: QuickstartState, train_file: Path) -> LmforgeConfig:
             "schedule": "constant",
             "warmup_steps": 10,
             "log_every": 10,
-            "resume": "never",
+            "resume": "auto",  # an interrupted quickstart continues where it stopped
         },
         # After training: merge, convert to GGUF and ONNX, and verify each in its own runtime
         # against the adapter on its base, on the held-out questions.
@@ -158,6 +183,7 @@ def stage_finetune(state: QuickstartState, console: Console) -> None:
     model, tokenizer = load_for_inference(state.results["pretrain"]["final_dir"])
     before = answer_accuracy(model, tokenizer, test, max_new_tokens=8)
     outcome = run_training(finetune_config(state, train_file))
+    _stop_if_interrupted("finetune", outcome)
     model, tokenizer = load_for_inference(str(outcome.final_dir))  # the merged model
     after = answer_accuracy(model, tokenizer, test, max_new_tokens=8)
     state.results["finetune"] = {
@@ -212,7 +238,15 @@ def run_quickstart(
     for name, stage in STAGES:
         console.rule(f"[bold]{name}")
         t0 = time.perf_counter()
-        stage(state, console)
+        try:
+            stage(state, console)
+        except QuickstartInterrupted as stop:
+            console.print(
+                f"[bold yellow]stopped[/] by {stop.signal_name}: {stop.stage} saved a checkpoint at step "
+                f"{stop.step}; run the same command again (make demo) to resume it"
+            )
+            state.results["interrupted"] = {"stage": stop.stage, "step": stop.step}
+            return state
         state.timings[name] = round(time.perf_counter() - t0, 1)
     state.timings["total"] = round(time.perf_counter() - started, 1)
     for name in ("pretrain", "finetune"):  # written at the end of training; again, now complete

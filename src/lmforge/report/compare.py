@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from lmforge.config.dotted import flatten
 from lmforge.report.html import (
     Raw,
     esc,
-    flatten,
     fmt_duration,
     fmt_number,
     fmt_time,

@@ -104,20 +104,6 @@ def fmt_time(epoch: float | None) -> str:
     return "" if epoch is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch))
 
 
-def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested dicts as dotted keys (lists stay whole values), as `key=value` overrides name them."""
-    if not isinstance(data, dict):
-        return {prefix: data} if prefix else {}
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, dict) and value:
-            flat.update(flatten(value, path))
-        else:
-            flat[path] = value
-    return flat
-
-
 def _cell(value: Any) -> str:
     if isinstance(value, Raw):
         return f"<td>{value}</td>"

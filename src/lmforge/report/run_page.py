@@ -8,10 +8,10 @@ from typing import Any
 
 import numpy as np
 
+from lmforge.config.dotted import flatten
 from lmforge.config.schema import DistributedConfig, ModelConfig, TrainConfig
 from lmforge.report.html import (
     esc,
-    flatten,
     fmt_duration,
     fmt_number,
     fmt_time,
@@ -23,6 +23,7 @@ from lmforge.report.html import (
 )
 from lmforge.report.load import RunSummary, estimated_step
 from lmforge.report.plots import EVENT_COLORS, PALETTE, Chart, Line, Marker, render_chart, render_histogram
+from lmforge.run_layout import RunPaths
 
 UNMARKED_KINDS = ("finished",)  # the end of the run is the end of the axis
 MEMORY_KEYS = (
@@ -94,7 +95,7 @@ def summary_table(run: RunSummary) -> str:
         ("tokens seen", fmt_number(_last_value(run, "tokens_seen"))),
         ("median tokens/s", fmt_number(_median(throughput.finite()) if throughput else None)),
         ("events", ", ".join(f"{kind} {n}" for kind, n in sorted(events.items())) or "none"),
-        ("final model", str(run.root / "final") if run.has_final else "none"),
+        ("final model", str(RunPaths(run.root).final) if run.has_final else "none"),
     ]
     return key_values(rows)
 

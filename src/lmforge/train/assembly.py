@@ -27,12 +27,16 @@ from lmforge.train.stages import build_stage_trainer
 
 class _FinalStepCallback(TrainerCallback):
     """Log (and evaluate) at the last step too, whatever the cadence: a run's record always
-    ends with its final loss and, when there is eval data, a fresh eval loss."""
+    ends with its final loss and, when there is eval data, a fresh eval loss (also with eval
+    data but no train.eval_every: the held-out data is measured once, at the end)."""
+
+    def __init__(self, has_eval: bool) -> None:
+        self.has_eval = has_eval
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if state.global_step >= state.max_steps:
             control.should_log = True
-            control.should_evaluate = args.eval_strategy != "no"
+            control.should_evaluate = self.has_eval
 
 
 def assemble_trainer(
@@ -74,7 +78,7 @@ def assemble_trainer(
             writer=plan.summary(),
             drills=guard.step.drills,
         ),
-        _FinalStepCallback(),
+        _FinalStepCallback(has_eval),
         ShardReport(sum(p.numel() for p in model.parameters()), plan.engine),
     ]
     if cfg.debug.crash_at_step is not None:

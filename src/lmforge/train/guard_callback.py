@@ -204,7 +204,7 @@ def build_train_step(
                 " and ".join(f"{key}={getattr(settings, key)}" for key in acting),
             )
             settings = settings.model_copy(update=acting)
-    guardrails = Guardrails(settings) if cfg.monitor.enabled else None
+    guardrails = Guardrails(settings, total_steps=cfg.train.max_steps) if cfg.monitor.enabled else None
     if guardrails is not None and resume is not None:
         guardrails.load(resume)
     text = model.config.get_text_config()

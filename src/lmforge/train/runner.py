@@ -15,22 +15,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback, set_seed
+from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
 
-from lmforge.ckpt.atomic import CheckpointStatus, find_latest_complete, remove_within
+from lmforge.ckpt.atomic import CheckpointStatus, find_latest_complete
 from lmforge.ckpt.export import SUMMARY_NAME as EXPORT_SUMMARY
 from lmforge.ckpt.export import ExportOutcome, run_export
 from lmforge.ckpt.safe_load import no_code_from_checkpoints
 from lmforge.config import LmforgeConfig, dump_config
 from lmforge.config.schema import MonitorConfig
-from lmforge.data.run_data import RunData, prepare_data_for_run
-from lmforge.data.tokenizer import tokenizer_fingerprint
-from lmforge.distributed.deepspeed_config import write_resolved
-from lmforge.distributed.ranks import main_first
-from lmforge.distributed.strategy import Plan, check_resume_world, plan_for
+from lmforge.distributed.strategy import Plan, plan_for
 from lmforge.errors import TrainingStopped, explain_write_failure
 from lmforge.models.build import build_model, count_parameters
-from lmforge.models.methods import Head, apply_training_method, check_method_runs_here, quantization_for
+from lmforge.models.methods import Head, apply_training_method, quantization_for
 from lmforge.monitor.metrics import MetricsLog
 from lmforge.monitor.run_monitor import open_run_monitor
 from lmforge.run_layout import RunPaths
@@ -43,12 +39,13 @@ from lmforge.train.final import save_final
 from lmforge.train.guard_callback import GuardCallback, attach_train_step, build_train_step
 from lmforge.train.outcome import TrainOutcome, outcome_of
 from lmforge.train.precision import resolve_precision
+from lmforge.train.preflight import check_runs_here
+from lmforge.train.provenance import describe
 from lmforge.train.rollback import train_with_rollbacks
 from lmforge.train.run_lock import RunLock
-from lmforge.train.run_start import RunStart, decide_start
-from lmforge.train.rundir import make_run_dir, write_manifest, write_resolved_config
+from lmforge.train.run_setup import clear_partial_writes, set_up_run
+from lmforge.train.rundir import make_run_dir
 from lmforge.train.stages import needs_reference_model
-from lmforge.upstream import check_upstream_versions
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +62,7 @@ def run_training(
     `after_run(run_dir)` is called on rank 0 once training began and then ended, finished or failed:
     the CLI writes report.html there (training never imports the report).
     """
-    check_method_runs_here(cfg.train)  # qlora on a CPU-only machine fails here, before any work
-    check_upstream_versions()  # warns when a library lmforge patches is outside its tested range
+    check_runs_here(cfg)  # what this machine lacks for the run, before any work
     on_gpu = torch.cuda.is_available()
     plan = plan_for(cfg, precision=resolve_precision(cfg.train.precision, use_cuda=on_gpu), on_gpu=on_gpu)
     log.info("distributed: %s", plan.describe())
@@ -94,10 +90,13 @@ def _run_locked(
     after_run: Callable[[Path], None],
 ) -> TrainOutcome:
     world = plan.world
-    start, tokenizer, data = _set_up_run(cfg, plan, paths)
+    setup = set_up_run(cfg, plan, paths)
+    start = setup.start
     if start.finished is not None:
         return _already_finished(cfg, paths, start.finished, is_main=world.is_main)
     resume = start.resume
+    tokenizer, data = setup.tokenizer, setup.data
+    assert tokenizer is not None and data is not None  # set for every run that trains
     metrics = MetricsLog(paths.metrics)  # read after the directory was settled (resumed, cleared)
 
     head: Head = "score" if cfg.train.stage == "rm" else "causal"
@@ -131,7 +130,7 @@ def _run_locked(
     guard = GuardCallback(
         step,
         events,
-        stacks_dir=paths.root / "stacks",
+        stacks_dir=paths.stacks,
         stall_seconds=cfg.monitor.guard.stall_seconds,
         update_in_backward=plan.engine == "deepspeed",
     )
@@ -142,6 +141,11 @@ def _run_locked(
     for callback in extra_callbacks:
         trainer.add_callback(callback)
     rank0 = trainer.is_world_process_zero()
+    changed = [*setup.changes.maths, *setup.changes.harmless]
+    if rank0 and changed:  # also in history/: the settings each launch ran with
+        events.emit(
+            "config_changed", resume.step if resume else 0, f"since the last launch: {describe(changed)}"
+        )
     if rank0 and start.extends is not None:
         events.emit(
             "extended",
@@ -152,7 +156,7 @@ def _run_locked(
         export = _train_and_export(cfg, trainer, guard, tokenizer, metrics, paths, resume)
     except BaseException as err:
         if rank0:
-            _clear_partial_writes(paths)
+            clear_partial_writes(paths)
         failure = explain_write_failure(err)
         if rank0:
             kind = "stopped" if isinstance(err, TrainingStopped) else "failed"
@@ -180,49 +184,6 @@ def _run_locked(
     )
     outcome.summary, outcome.export = summary, export
     return outcome
-
-
-def _set_up_run(
-    cfg: LmforgeConfig, plan: Plan, paths: RunPaths
-) -> tuple[RunStart, PreTrainedTokenizerBase, RunData]:
-    """Decide how the run starts (fresh, resumed, extended, finished), get the tokenizer and the
-    data, write config.yaml and manifest.json. Rank 0 goes first and writes; the other ranks then
-    read the run directory and the data cache it filled."""
-    world = plan.world
-    with main_first(world):
-        start = decide_start(cfg.train, paths, overwrite=cfg.run.overwrite, act=world.is_main)
-        if start.finished is not None:
-            return start, None, None  # type: ignore[return-value]
-        resume = start.resume
-        check_resume_world(resume.path if resume else None, plan)
-        if world.is_main:
-            _clear_partial_writes(paths)  # leftovers of a save or final/ interrupted by a crash
-        set_seed(cfg.run.seed)
-        tokenizer, data = prepare_data_for_run(cfg, paths, write_report=world.is_main)
-        if world.is_main:
-            write_resolved_config(cfg, paths)
-            write_manifest(
-                paths,
-                data_fingerprint=data.fingerprint,
-                tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-                distributed=plan.summary(),
-            )
-            if plan.deepspeed is not None:
-                write_resolved(plan.deepspeed, paths.root / "deepspeed_config.json")
-            if resume is not None:
-                dropped = MetricsLog(paths.metrics).truncate_after(resume.step)
-                log.info("resuming from %s (%d metric records after it dropped)", resume.path, dropped)
-    return start, tokenizer, data
-
-
-def _clear_partial_writes(paths: RunPaths) -> None:
-    """Remove what an interrupted or failed save left half-written; sealed checkpoints and final/
-    are never partial (each appears with one rename)."""
-    for partial in (paths.staging, paths.final_partial):
-        try:
-            remove_within(partial, paths.root)
-        except OSError as err:
-            log.error("could not remove the partial %s: %s", partial, err)
 
 
 def _already_finished(
@@ -277,7 +238,7 @@ def _train_and_export(
     finished["parameters"] = count_parameters(trainer.accelerator.unwrap_model(trainer.model))
     save_final(trainer, tokenizer, paths, merge_lora=cfg.export.merge_lora, finished=finished)
     if trainer.is_world_process_zero():
-        _clear_partial_writes(paths)  # a finished run keeps no empty checkpoints/.staging
+        clear_partial_writes(paths)  # a finished run keeps no empty checkpoints/.staging
     export = None
     if cfg.export.formats and trainer.is_world_process_zero():
         export = run_export(cfg.export, paths.final, paths.export)

@@ -1,0 +1,146 @@
+"""What a resumed run changed since the launch that wrote its checkpoints, and a history of launches.
+
+A resume continues the same optimisation. Settings that change its maths (model, tokenizer,
+data, sequence length, batch and accumulation, optimizer and schedule, precision, seed) must be
+the ones the checkpoints were trained with, or the run directory would describe steps it never
+ran: such a change stops the run before any model is built, with the diff and the ways forward,
+unless `train.resume_changed: allow` says it is meant (then it is recorded as an event). The
+other settings (log and eval cadence, sinks, guardrails, exports, run length) may change freely
+and are recorded too. Every launch's config.yaml and manifest.json are kept under history/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from lmforge.config import LmforgeConfig, dump_config
+from lmforge.config.dotted import flatten
+from lmforge.config.recorded import read_recorded_config
+from lmforge.errors import UserInputError
+from lmforge.run_layout import RunPaths
+
+# Dotted keys (and key prefixes) whose change alters the maths of the steps still to run.
+MATHS_KEYS = (
+    "model.",
+    "tokenizer.",
+    "data.train",
+    "data.eval",
+    "data.max_length",
+    "data.packing",
+    "data.padding_free",
+    "data.chat_template",
+    "data.train_on",
+    "data.over_length",
+    "data.eval_fraction",
+    "train.stage",
+    "train.method",
+    "train.lora.",
+    "train.freeze.",
+    "train.dpo.",
+    "train.kto.",
+    "train.micro_batch_size",
+    "train.grad_accum",
+    "train.lr",
+    "train.schedule",
+    "train.warmup_steps",
+    "train.weight_decay",
+    "train.adam_beta2",
+    "train.max_grad_norm",
+    "train.precision",
+    "run.seed",
+)
+# Keys that say where and how to run, not what: never reported as changes.
+IGNORED_KEYS = ("run.name", "run.output_dir", "run.overwrite", "train.resume", "train.resume_changed")
+FINGERPRINTS = ("data_fingerprint", "tokenizer_fingerprint")
+
+
+@dataclass(frozen=True)
+class Change:
+    key: str
+    before: Any
+    after: Any
+
+    def __str__(self) -> str:
+        return f"{self.key}: {_show(self.before)} -> {_show(self.after)}"
+
+
+@dataclass(frozen=True)
+class LaunchChanges:
+    """What this launch changed against the one that wrote the run directory."""
+
+    maths: list[Change]
+    harmless: list[Change]
+
+
+def changes_since_last_launch(
+    cfg: LmforgeConfig, paths: RunPaths, fingerprints: dict[str, str]
+) -> LaunchChanges:
+    """The resolved config (`cfg`, precision already resolved) and the data / tokenizer
+    fingerprints against the run directory's config.yaml and manifest.json."""
+    recorded = read_recorded_config(paths.config)
+    if not recorded.found:
+        return LaunchChanges([], [])
+    before, after = flatten(recorded.as_dict()), flatten(dump_config(cfg))
+    maths: list[Change] = []
+    harmless: list[Change] = []
+    for key in sorted(set(before) | set(after)):
+        if key.startswith(IGNORED_KEYS) or before.get(key) == after.get(key):
+            continue
+        if key == "train.precision" and before.get(key) == "auto":
+            continue  # written before config.yaml recorded the resolved precision: unknown, not changed
+        change = Change(key, before.get(key), after.get(key))
+        (maths if key.startswith(MATHS_KEYS) else harmless).append(change)
+    manifest = _read_json(paths.manifest)
+    for name in FINGERPRINTS:
+        old = manifest.get(name)
+        if old is not None and old != fingerprints.get(name):
+            maths.append(Change(name, old[:12], str(fingerprints.get(name))[:12]))
+    return LaunchChanges(maths, harmless)
+
+
+def refuse_unless_allowed(changes: LaunchChanges, cfg: LmforgeConfig, paths: RunPaths) -> None:
+    """UserInputError with the diff and the ways forward when a maths setting changed and
+    `train.resume_changed` does not allow it."""
+    if not changes.maths or cfg.train.resume_changed == "allow":
+        return
+    lines = "\n".join(f"  {change}" for change in changes.maths)
+    raise UserInputError(
+        f"{paths.root} was trained with other settings than this run's, and resuming would mix them:\n"
+        f"{lines}\n"
+        "Fix: run with the settings it was trained with; or start a new run (run.name=<new name>, or "
+        "run.overwrite=true to replace this one); or set train.resume_changed=allow to continue from the "
+        "checkpoint with the new settings (recorded as a config_changed event and in history/)"
+    )
+
+
+def keep_launch_history(paths: RunPaths) -> None:
+    """Move the previous launch's config.yaml and manifest.json to history/launch-<k>/ before this
+    launch writes its own, so the run directory shows every launch's settings."""
+    if not (paths.config.is_file() or paths.manifest.is_file()):
+        return
+    paths.history.mkdir(parents=True, exist_ok=True)
+    number = 1 + sum(1 for entry in paths.history.iterdir() if entry.name.startswith("launch-"))
+    target = paths.history / f"launch-{number}"
+    target.mkdir()
+    for record in (paths.config, paths.manifest):
+        if record.is_file():
+            os.replace(record, target / record.name)
+
+
+def describe(changes: list[Change]) -> str:
+    return "; ".join(str(change) for change in changes)
+
+
+def _read_json(path: Any) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if not isinstance(value, str) else value

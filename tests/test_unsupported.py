@@ -1,0 +1,94 @@
+"""Every known unsupported combination ends in exit 2 and one short paragraph that says what to do
+instead, never in a traceback: each row is the CLI command a user typed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+from tests.conftest import SMALL_ARCH, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2-MoE: the exporter has no ONNX translation for its routed grouped matmul."""
+    config = Qwen2MoeConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("moe") / "model"
+    Qwen2MoeForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def _train_config(tmp_path: Path, model_path: Path | None = None, **model: object) -> str:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("plain text to pretrain on\n" * 50)
+    config = {
+        "run": {"name": "unsupported", "output_dir": str(tmp_path / "runs")},
+        "model": {"path": str(model_path)}
+        if model_path
+        else {"preset": "llama-tiny", "config": SMALL_ARCH, **model},
+        "tokenizer": {"train": {"vocab_size": 300}},
+        "data": {"train": [{"path": str(corpus)}], "max_length": 32},
+        "train": {"max_steps": 1, "micro_batch_size": 2},
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+CASES = {
+    "moe-to-onnx": (
+        lambda tmp, moe: ["ckpt", "convert", str(moe), "--to", "onnx", "--out", str(tmp / "onnx")],
+        ["cannot translate this qwen2_moe model", "grouped_mm", "--to safetensors"],
+    ),
+    "moe-to-gguf": (
+        lambda tmp, moe: ["ckpt", "convert", str(moe), "--to", "gguf", "--out", str(tmp / "gguf")],
+        ["model_type 'qwen2_moe' has no GGUF export here", "supported: llama, mistral, qwen2"],
+    ),
+    "flash-attention-without-cuda": (
+        lambda tmp, moe: ["train", _train_config(tmp, attn_implementation="flash_attention_2")],
+        ["model.attn_implementation: flash_attention_2", "sdpa"],
+    ),
+    "qlora-without-cuda": (
+        lambda tmp, moe: ["train", _train_config(tmp, model_path=moe), "train.method=qlora"],
+        ["train.method: qlora", "train.method: lora"],
+    ),
+}
+
+
+NEEDS_NO_GPU = {"flash-attention-without-cuda", "qlora-without-cuda"}  # supported where CUDA is
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_unsupported_combination_is_one_paragraph_and_exit_2(
+    case: str, tmp_path: Path, moe_model: Path
+) -> None:
+    if case in NEEDS_NO_GPU and torch.cuda.is_available():
+        pytest.skip("supported on this machine: it has a CUDA GPU")
+    args, words = CASES[case]
+    result = run_cli(*args(tmp_path, moe_model))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1, result.stderr[-3000:]
+    for word in words:
+        assert word in error[0], error[0]
+    assert not (tmp_path / "onnx").exists() and not (tmp_path / "gguf").exists()
