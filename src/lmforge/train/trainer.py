@@ -72,6 +72,17 @@ class StepHooks:
         self.train_step.data_wait_s += time.perf_counter() - started
         return batches
 
+    def _issue_warnings_after_load(self, load_result: Any) -> None:
+        # A tied head (lm_head = the embedding) is saved once, so a checkpoint never holds it:
+        # HF recognises that only through _keys_to_ignore_on_save, which transformers 5 models
+        # leave empty, and warned "missing keys ['lm_head.weight']" on every resume.
+        tied = tied_aliases(self.model)  # type: ignore[attr-defined]
+        missing = [key for key in load_result.missing_keys if key not in tied]
+        if len(missing) < len(load_result.missing_keys):
+            self.model.tie_weights()  # type: ignore[attr-defined]
+            load_result = load_result._replace(missing_keys=missing)
+        super()._issue_warnings_after_load(load_result)  # type: ignore[misc]
+
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
         # HF calls this once per optimizer step, after clipping and right before optimizer.step().
         norm = super()._get_grad_norm(model, grad_norm=grad_norm)  # type: ignore[misc]
@@ -116,3 +127,10 @@ class LmforgeTrainer(CpuFsdp, StepHooks, Trainer):  # type: ignore[misc]
 def with_lmforge_step(trainer_class: type[Trainer]) -> type[Trainer]:
     """`trainer_class` (a TRL trainer) with CpuFsdp and StepHooks mixed in."""
     return type(f"Lmforge{trainer_class.__name__}", (CpuFsdp, StepHooks, trainer_class), {})
+
+
+def tied_aliases(model: torch.nn.Module) -> set[str]:
+    """Names of parameters that are another parameter under a second name (a tied head): the
+    ones `named_parameters()` drops as duplicates."""
+    every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return every - {name for name, _ in model.named_parameters()}
