@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lmforge.config import LmforgeConfig, dump_config
@@ -134,7 +135,7 @@ def describe(changes: list[Change]) -> str:
     return "; ".join(str(change) for change in changes)
 
 
-def _read_json(path: Any) -> dict[str, Any]:
+def _read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
