@@ -168,10 +168,11 @@ def test_template_resolution_and_added_tokens(base_tokenizer) -> None:
     assert ensure_template_tokens(tokenizer, "chatml") == []
     tokenizer.chat_template = None
     with pytest.raises(
-        UserInputError, match=r"has no chat template; set data.chat_template: chatml\|llama3\|qwen2"
+        UserInputError,
+        match=r"has no chat template; set data.chat_template to your model family's template: chatml, llama2, ",
     ):
         resolve_template(tokenizer, None)
-    with pytest.raises(UserInputError, match="unknown template 'vicuna'"):
+    with pytest.raises(UserInputError, match="unknown chat template 'vicuna'"):
         resolve_template(tokenizer, "vicuna")
 
 

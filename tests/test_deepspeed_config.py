@@ -105,7 +105,8 @@ def test_a_users_auto_values_are_resolved_and_pass_deepspeeds_check(tmp_path: Pa
     assert one["train_micro_batch_size_per_gpu"] == 3 and one["gradient_accumulation_steps"] == 4
     assert one["gradient_clipping"] == 1.5 and "train_batch_size" not in one
     assert one["bf16"]["enabled"] is False and one["fp16"]["enabled"] is True
-    assert one["optimizer"]["params"]["lr"] == "auto"  # HF Trainer fills it from train.lr
+    # The JSON's optimizer runs, with train.* numbers in place of its "auto"s (the file shows them).
+    assert one["optimizer"]["params"]["lr"] == train.lr
     # ZeRO-3 gathers whole weights on save, or final/ would hold none.
     assert one["zero_optimization"] == {
         **data["zero_optimization"],
@@ -113,6 +114,11 @@ def test_a_users_auto_values_are_resolved_and_pass_deepspeeds_check(tmp_path: Pa
     }
     verdicts = deepspeed_judges([(config, world) for world, config in resolved.items()])
     assert [v["train_batch_size"] for v in verdicts] == [3 * 4 * w for w in WORLD_SIZES]
+
+
+def config_with_json(path: Path, train: dict[str, Any]) -> Any:
+    """A tiny run's config with the user's DeepSpeed JSON at `path` and these train.* settings."""
+    return tiny(train=train, strategy="deepspeed", deepspeed_config=str(path))
 
 
 @pytest.mark.parametrize(
@@ -133,6 +139,22 @@ def test_a_users_auto_values_are_resolved_and_pass_deepspeeds_check(tmp_path: Pa
         ),
         ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage must be 0, 1, 2 or 3"),
         (
+            {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}},
+            r"optimizer.params.lr is 0.0001 but lmforge trains with 0.0003 \(train.lr\).*write \"auto\"",
+        ),
+        (
+            {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1000}}},
+            r"scheduler.params.warmup_num_steps is 1000 but lmforge trains with 1 \(train.warmup_steps",
+        ),
+        (
+            {"bf16": {"enabled": True}},
+            r"bf16.enabled is true but train.precision resolved to fp32; set train.precision: bf16",
+        ),
+        (
+            {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 500}}},
+            r"total_num_steps is 500 but the run length is counted in train.epochs",
+        ),
+        (
             {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False}},
             "the final model would be saved without weights",
         ),
@@ -141,17 +163,7 @@ def test_a_users_auto_values_are_resolved_and_pass_deepspeeds_check(tmp_path: Pa
 def test_a_bad_users_config_is_refused_before_training_naming_the_problem(
     tmp_path: Path, data: Any, message: str
 ) -> None:
-    path = user_config(tmp_path, data)
-    cfg = load_config(
-        None,
-        base={
-            "model": {"preset": "llama-tiny"},
-            "tokenizer": {"train": {"vocab_size": 300}},
-            "data": {"train": [{"path": "x.jsonl"}]},
-            "train": {"micro_batch_size": 2},
-            "distributed": {"strategy": "deepspeed", "deepspeed_config": str(path)},
-        },
-    )
+    cfg = config_with_json(user_config(tmp_path, data), {"micro_batch_size": 2})
     with pytest.raises(UserInputError, match=message):
         plan_for(cfg, precision="fp32", on_gpu=False, world=World(size=4, local_size=4, rank=0))
 
@@ -161,13 +173,14 @@ def test_a_missing_users_config_names_the_key_and_the_path(tmp_path: Path) -> No
         read_user_config(tmp_path / "nope.json")
 
 
-def tiny(**distributed: Any) -> Any:
+def tiny(train: dict[str, Any] | None = None, **distributed: Any) -> Any:
     return load_config(
         None,
         base={
             "model": {"preset": "llama-tiny"},
             "tokenizer": {"train": {"vocab_size": 300}},
             "data": {"train": [{"path": "x.jsonl"}]},
+            "train": train or {},
             "distributed": distributed,
         },
     )
@@ -215,3 +228,76 @@ def test_the_shipped_deepspeed_json_resolves_for_its_example() -> None:
     assert config["train_micro_batch_size_per_gpu"] == cfg.train.micro_batch_size
     assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
     assert deepspeed_judges([(config, 16)])[0]["train_batch_size"] == cfg.train.micro_batch_size * 16
+
+
+TUTORIAL_JSON = {  # the tutorial's ZeRO-2 file: its own optimizer and WarmupLR, everything "auto"
+    "bf16": {"enabled": "auto"},
+    "optimizer": {
+        "type": "AdamW",
+        "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+    },
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"},
+    },
+    "zero_optimization": {"stage": 2},
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+}
+
+
+def _plan_with_json(tmp_path: Path, data: dict[str, Any], **train: Any) -> Any:
+    cfg = config_with_json(
+        user_config(tmp_path, data),
+        {"micro_batch_size": 2, "lr": 2e-4, "warmup_steps": 10, "max_steps": 100, **train},
+    )
+    return cfg, plan_for(cfg, precision="bf16", on_gpu=False, world=World(size=2, local_size=2, rank=0))
+
+
+def test_a_users_optimizer_and_warmuplr_run_with_real_numbers_and_the_banner_says_so(tmp_path: Path) -> None:
+    cfg, plan = _plan_with_json(tmp_path, TUTORIAL_JSON)
+    resolved = plan.deepspeed
+    assert resolved["optimizer"]["params"] == {
+        "lr": 2e-4,
+        "betas": [0.9, 0.999],
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+    }
+    assert resolved["scheduler"]["params"] == {
+        "warmup_min_lr": 0,
+        "warmup_max_lr": 2e-4,
+        "warmup_num_steps": 10,
+    }
+    assert resolved["bf16"] == {"enabled": True} and resolved["fp16"] == {"enabled": False}
+    assert "auto" not in json.dumps(resolved)
+    assert plan.optimizer_and_schedule(cfg.train) == (
+        "optimizer: DeepSpeed AdamW from your JSON (lr 0.0002); lr schedule: DeepSpeed WarmupLR from your "
+        "JSON, log warmup 0 -> 0.0002 over 10 steps, then flat (no decay)"
+    )
+    # DeepSpeed's own defaults (peak 1e-3 over 1000 steps) never silently replace train.*.
+    _, plan = _plan_with_json(
+        tmp_path, {"scheduler": {"type": "WarmupDecayLR"}, "optimizer": {"type": "Adam"}}
+    )
+    assert plan.deepspeed["scheduler"]["params"] == {
+        "warmup_max_lr": 2e-4,
+        "warmup_num_steps": 10,
+        "total_num_steps": 100,
+    }
+    assert plan.deepspeed["optimizer"]["params"] == {"lr": 2e-4}
+    assert "then linear decay to step 100" in plan.optimizer_and_schedule(cfg.train)
+
+
+def test_a_json_scheduler_and_a_configured_train_schedule_are_not_mixed(tmp_path: Path) -> None:
+    with pytest.raises(UserInputError) as caught:
+        _plan_with_json(tmp_path, TUTORIAL_JSON, schedule="cosine")
+    assert str(caught.value).endswith(
+        "the JSON's scheduler (WarmupLR) and train.schedule (cosine) would both decide the learning rate. "
+        "Remove the scheduler block from the JSON to use train.schedule, or remove train.schedule from the "
+        "config to run the JSON's scheduler"
+    )
+    # Without a scheduler block, train.schedule decides, and the banner says so.
+    no_scheduler = {k: v for k, v in TUTORIAL_JSON.items() if k != "scheduler"}
+    cfg, plan = _plan_with_json(tmp_path, no_scheduler, schedule="linear")
+    assert plan.optimizer_and_schedule(cfg.train).endswith(
+        "lr schedule: linear after 10 warmup steps (train.schedule)"
+    )

@@ -229,3 +229,58 @@ def test_zero3_with_optimizer_and_parameter_offload_matches_one_process(
         curve,
         single_process_curve,
     )
+
+
+def test_a_users_deepspeed_json_runs_its_own_schedule_in_bf16_and_final_keeps_model_dtype(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """The tutorial's ZeRO-2 JSON (AdamW + WarmupLR, all "auto") under bf16: the start banner names
+    the JSON's schedule, deepspeed_config.json holds the numbers the engine ran with, the lr rises
+    and then stays flat (WarmupLR has no decay), and final/ is float32 (model.dtype) from the fp32
+    master weights, as a single process of the same config would save it."""
+    ds_json = tmp_path / "zero2.json"
+    ds_json.write_text(
+        json.dumps(
+            {
+                "bf16": {"enabled": "auto"},
+                "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+                "zero_optimization": {"stage": 2},
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+            }
+        )
+    )  # fmt: skip
+    config = base_config(tmp_path, corpus, "tutorial", micro_batch=2, deepspeed_config=str(ds_json))
+    config["train"] = {**config["train"], "precision": "bf16", "warmup_steps": 4, "save_every": None}
+    result = torchrun(write(tmp_path / "tutorial.yaml", config))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (
+        "optimizer: DeepSpeed AdamW from your JSON (lr 0.003); lr schedule: DeepSpeed WarmupLR from your "
+        "JSON, log warmup 0 -> 0.003 over 4 steps, then flat (no decay)" in result.stderr
+    )
+    run_dir = tmp_path / "tutorial"
+    # Upstream deprecation notices are in train.log, once each, not on the console.
+    assert "FutureWarning" not in result.stderr
+    train_log = (run_dir / "train.log").read_text()
+    assert train_log.count("FutureWarning: `torch.distributed.all_gather_into_tensor` is deprecated") == 1
+    assert "upstream deprecation warning(s)" in result.stderr
+    resolved = json.loads((run_dir / "deepspeed_config.json").read_text())
+    assert resolved["scheduler"]["params"] == {
+        "warmup_min_lr": 0,
+        "warmup_max_lr": 0.003,
+        "warmup_num_steps": 4,
+    }
+    assert resolved["optimizer"]["params"]["lr"] == 0.003 and resolved["bf16"]["enabled"] is True
+    assert "auto" not in json.dumps(resolved)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in records if "lr" in r and "loss" in r]
+    assert len(lrs) == STEPS
+    assert lrs[0] < lrs[1] < lrs[2] < 0.003 and lrs[-4:] == [0.003] * 4, lrs  # log warmup, no decay
+
+    weights = load_file(run_dir / "final" / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+    assert json.loads((run_dir / "final" / "config.json").read_text())["dtype"] == "float32"
+    # The fp32 masters, not the bf16 training copy widened: most values are not bf16 numbers.
+    trained = weights["model.layers.0.mlp.down_proj.weight"]
+    assert (trained.to(torch.bfloat16).float() != trained).float().mean() > 0.5

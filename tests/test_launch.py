@@ -188,6 +188,23 @@ def test_the_launchers_own_parsers_accept_the_commands(tmp_path: Path) -> None:
         ["train", "cfg.yaml", "train.lr=1e-3"],
     )
 
+    from accelerate.commands.launch import launch_command_parser
+
+    two_nodes = LaunchRequest(**base, backend="accelerate", nnodes="2", node_rank=1, master_addr="n0")
+    acc = launch_command_parser().parse_args(plan_launch(two_nodes).launcher_args)
+    assert (acc.multi_gpu, acc.cpu, acc.num_processes, acc.num_machines, acc.machine_rank) == (
+        True,
+        False,
+        4,
+        2,
+        1,
+    )
+    assert (acc.main_process_ip, acc.main_process_port, acc.module) == ("n0", 29500, True)
+    assert (acc.training_script, acc.training_script_args) == (
+        "lmforge.cli.main",
+        ["train", "cfg.yaml", "train.lr=1e-3"],
+    )
+
 
 def test_failure_summary_puts_the_root_cause_first(tmp_path: Path) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -424,3 +441,126 @@ def test_deepspeed_backend_engine_and_hostfile_layout(tmp_path: Path, corpus: Pa
     )
     assert wrong.returncode == 2
     assert "--nnodes 3, but --hostfile" in wrong.stderr and "lists 2 host(s) (node-0, node-1)" in wrong.stderr
+
+
+# -- accelerate --------------------------------------------------------------------------------
+
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+
+
+def run_accelerate(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    """Plain `accelerate launch ARGS`, as a user types it."""
+    return subprocess.run(
+        [*ACCELERATE, *args], env={**os.environ, **ENV}, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def manifest_engine(run_dir: Path) -> tuple[str, int, int | None]:
+    summary = json.loads((run_dir / "manifest.json").read_text())["distributed"]
+    return summary["engine"], summary["world_size"], summary["zero_stage"]
+
+
+def test_lmforge_launch_backend_accelerate_trains_two_cpu_processes(tmp_path: Path, corpus: Path) -> None:
+    cfg = write_config(tmp_path, corpus)
+    result = run_cli(
+        "launch", str(cfg), "distributed.strategy=ddp", "--backend", "accelerate", "--nproc-per-node", "2",
+        "--master-port", str(free_port()), env=ENV, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_trained(tmp_path / "runs" / "run", 6)
+    assert manifest_engine(tmp_path / "runs" / "run") == ("ddp", 2, None)
+    assert "rank 1 holds" in result.stderr  # the second worker trained too
+
+
+def test_plain_accelerate_launch_with_a_deepspeed_config_trains_on_the_deepspeed_engine(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """`accelerate launch --config_file ds.yaml -m lmforge.cli.main train cfg.yaml`: 2 workers, and
+    the accelerate config's DeepSpeed ZeRO-2 becomes the engine (distributed.strategy is auto)."""
+    cfg = write_config(tmp_path, corpus)
+    accelerate_config = tmp_path / "accelerate.yaml"
+    accelerate_config.write_text(
+        yaml.safe_dump(
+            {
+                "compute_environment": "LOCAL_MACHINE",
+                "distributed_type": "DEEPSPEED",
+                "deepspeed_config": {"zero_stage": 2, "gradient_accumulation_steps": 1},
+                "num_processes": 2,
+                "num_machines": 1,
+                "mixed_precision": "no",
+            }
+        )
+    )
+    result = run_accelerate(
+        "--config_file", str(accelerate_config), "--main_process_port", str(free_port()),
+        "-m", "lmforge.cli.main", "train", str(cfg),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "run"
+    assert_trained(run_dir, 6)
+    assert manifest_engine(run_dir) == ("deepspeed", 2, 2)
+    assert "deepspeed ZeRO-2 on 2 process(es): accelerate launch asked for DeepSpeed ZeRO-2" in result.stderr
+
+
+def test_accelerate_launch_that_starts_one_process_of_two_is_refused(tmp_path: Path, corpus: Path) -> None:
+    """`accelerate launch --num_processes 2 --cpu` starts ONE process (accelerate's CPU path needs
+    mpirun): the worker stops (exit 2) with the command that works, before any work."""
+    cfg = write_config(tmp_path, corpus)
+    result = run_accelerate("--num_processes", "2", "--cpu", "-m", "lmforge.cli.main", "train", str(cfg))
+    # accelerate reports its child's exit code 2 as its own traceback and exit 1; lmforge's part is the message.
+    assert result.returncode != 0 and "returned non-zero exit status 2" in result.stderr, result.stderr[
+        -3000:
+    ]
+    assert "accelerate launch started 1 process although 2 were asked for" in result.stderr
+    assert "accelerate launch --multi_gpu --num_processes 2 -m lmforge.cli.main train CONFIG" in result.stderr
+    assert "src/lmforge/" not in result.stderr  # no lmforge frame in any traceback
+    assert not (tmp_path / "runs" / "run" / "metrics.jsonl").exists()
+
+
+def test_accelerate_choices_that_contradict_the_config_are_refused() -> None:
+    from lmforge.config.schema import DistributedConfig
+    from lmforge.distributed.accelerate_launch import (
+        accelerate_choice,
+        check_precision,
+        forget_engine_choice,
+        settings_for_accelerate,
+    )
+
+    env = {
+        "ACCELERATE_MIXED_PRECISION": "bf16",
+        "ACCELERATE_USE_DEEPSPEED": "true",
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
+        "ACCELERATE_CONFIG_DS_FIELDS": "zero_stage",
+        "OMP_NUM_THREADS": "1",
+    }
+    choice = accelerate_choice(env)
+    assert choice is not None and (choice.engine, choice.zero_stage, choice.offload) == (
+        "deepspeed",
+        3,
+        "optimizer",
+    )
+    mapped, note = settings_for_accelerate(DistributedConfig(), choice, grad_accum=1)
+    assert (mapped.strategy, mapped.zero_stage, mapped.offload) == ("deepspeed", 3, "optimizer")
+    assert note == "accelerate launch asked for DeepSpeed ZeRO-3, offload optimizer"
+    with pytest.raises(UserInputError, match="asked for DeepSpeed ZeRO-3, offload optimizer but the config says "
+                       "distributed.strategy: fsdp; say it in one place"):  # fmt: skip
+        settings_for_accelerate(DistributedConfig(strategy="fsdp"), choice, grad_accum=1)
+    with pytest.raises(UserInputError, match="--mixed_precision bf16, but train.precision resolved to fp32"):
+        check_precision(choice, "fp32")
+    forget_engine_choice(env)
+    assert env == {"ACCELERATE_MIXED_PRECISION": "bf16", "OMP_NUM_THREADS": "1"}
+    assert accelerate_choice({"PATH": "/bin"}) is None  # not started by accelerate
+
+
+def test_an_accelerate_config_that_would_start_one_cpu_process_is_refused(
+    tmp_path: Path, corpus: Path
+) -> None:
+    cfg = write_config(tmp_path, corpus)
+    multi_cpu = tmp_path / "multi_cpu.yaml"
+    multi_cpu.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n")
+    result = run_cli(
+        "launch", str(cfg), "--backend", "accelerate", "--accelerate-config", str(multi_cpu), "--dry-run"
+    )
+    assert result.returncode == 2
+    assert "use_cpu / distributed_type MULTI_CPU makes accelerate start one process" in result.stderr

@@ -134,3 +134,33 @@ def test_resume_with_changed_maths_stops_with_the_diff_and_history_is_kept(
     harmless = run_cli("train", str(config), "train.max_steps=8", *changed, "train.log_every=1")
     assert harmless.returncode == 0, harmless.stderr[-3000:]  # only the cadence and length changed now
     assert sorted(p.name for p in (run_dir / "history").iterdir()) == ["launch-1", "launch-2"]
+
+
+def test_engine_start_up_says_what_it_compiles_and_for_how_long(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """DeepSpeed's JIT builds left 1-4.5 silent minutes before step 1: while torch holds a build's
+    lock file, the heartbeat names the op and the elapsed time; a start without builds says so."""
+    import time
+
+    from lmforge.distributed.startup_progress import StartupHeartbeat
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    building = tmp_path / "py311_cpu" / "deepspeed_shm_comm"
+    building.mkdir(parents=True)
+    (building / "lock").write_text("")
+    caplog.set_level(logging.INFO, logger="lmforge.distributed.startup_progress")
+    heartbeat = StartupHeartbeat("deepspeed ZeRO-2", first_notice_s=0.05, interval_s=0.05).start()
+    time.sleep(0.3)
+    (building / "lock").unlink()  # built: the next notice no longer names it
+    time.sleep(0.2)
+    heartbeat.stop()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith(
+        f"deepspeed ZeRO-2 is starting: compiling its op(s) deepspeed_shm_comm (once per machine; cached in {tmp_path}), "
+    )
+    assert any("setting up the engine and its process group" in line for line in lines[1:])
+    assert lines[-1].startswith("deepspeed ZeRO-2 started in ")
+    quiet = StartupHeartbeat("ddp", first_notice_s=5).start()
+    quiet.stop()  # a start faster than the first notice prints nothing
+    assert quiet.notices == 0

@@ -23,6 +23,16 @@ class RunPaths:
         return self.root / "manifest.json"
 
     @property
+    def deepspeed_config(self) -> Path:
+        """The DeepSpeed config the engine ran with (generated, or the user's JSON resolved)."""
+        return self.root / "deepspeed_config.json"
+
+    @property
+    def log_file(self) -> Path:
+        """Everything logged, at full detail, upstream warnings included (the console stays short)."""
+        return self.root / "train.log"
+
+    @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
 
@@ -91,6 +101,7 @@ class RunPaths:
             *("checkpoints", "final", "final.partial", "final.old", "export", "report.html", "stacks"),
             *(
                 "deepspeed_config.json",
+                "train.log",
                 "bad_rows.jsonl",
                 "tokenizer",
                 "sinks.json",

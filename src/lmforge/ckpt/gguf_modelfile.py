@@ -1,4 +1,5 @@
-"""The Ollama Modelfile written next to a GGUF: the chat template (when it is ChatML) and stop tokens."""
+"""The Ollama Modelfile written next to a GGUF: the chat template (when it is ChatML) and stop tokens
+(the trained built-in template's, see `data.chat.turn_end_tokens`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import re
 
 from transformers import PreTrainedTokenizerBase
 
-_CHATML_END = "<|im_end|>"
+from lmforge.data.chat import turn_end_tokens
+
 # Ollama's Go-template form of ChatML; renders the same text as lmforge's CHATML_TEMPLATE with
 # add_generation_prompt=True.
 OLLAMA_CHATML = "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}<|im_start|>assistant\n"
@@ -62,7 +64,7 @@ def render_modelfile(gguf_name: str, tokenizer: PreTrainedTokenizerBase) -> str:
             "# Ollama falls back to the Jinja template embedded in the GGUF (tokenizer.chat_template).",
         ]
     vocab = tokenizer.get_vocab()
-    stops = [t for t in (_CHATML_END, "<|eot_id|>", "<|end|>", "<end_of_turn>") if t in vocab]
+    stops = [t for t in turn_end_tokens(tokenizer) if t in vocab]
     if tokenizer.eos_token and tokenizer.eos_token not in stops:
         stops.append(tokenizer.eos_token)
     lines += [""] + [f'PARAMETER stop "{token}"' for token in stops]

@@ -171,10 +171,13 @@ def _pre_tokenizer_name(pre: dict[str, Any] | None) -> str:
 
 def _special_ids(tokenizer: PreTrainedTokenizerBase, config: dict[str, Any]) -> dict[str, int | None]:
     """The tokenizer's special ids; bos/eos fall back to config.json's, as llama.cpp's converter does."""
-    from lmforge.data.chat import END_OF_TURN_TOKENS
+    from lmforge.data.chat import turn_end_tokens
 
     vocab = tokenizer.get_vocab()
-    eot = next((vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and t != tokenizer.eos_token), None)
+    # The chat template's end of turn (GLM's <|user|>, Gemma's <end_of_turn>); none when it is EOS.
+    eot = next(
+        (vocab[t] for t in turn_end_tokens(tokenizer) if t in vocab and t != tokenizer.eos_token), None
+    )
     return {
         "bos": tokenizer.bos_token_id
         if tokenizer.bos_token_id is not None

@@ -38,7 +38,7 @@ def launch(
         show_default=False,
     ),
     master_port: int = typer.Option(29500, "--master-port", help="A free port on the master node."),
-    backend: str = typer.Option("torchrun", "--backend", help="Launcher: torchrun or deepspeed."),
+    backend: str = typer.Option("torchrun", "--backend", help="Launcher: torchrun, deepspeed or accelerate."),
     max_restarts: int = typer.Option(
         0, "--max-restarts", help="Elastic: restart the worker group up to K times (uses c10d rendezvous)."
     ),
@@ -66,6 +66,13 @@ def launch(
         help="deepspeed: hostfile ('host slots=N' per line); needed for several nodes.",
         show_default=False,
     ),
+    accelerate_config: Path = typer.Option(
+        None,
+        "--accelerate-config",
+        help="accelerate: its config file (`accelerate config`); a DeepSpeed/FSDP section there sets the "
+        "engine when distributed.strategy is auto.",
+        show_default=False,
+    ),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Print the environment and the exact command, run nothing."
     ),
@@ -80,7 +87,7 @@ def launch(
     ),
 ) -> None:
     """Start distributed training: `lmforge train CONFIG k=v ...` on every worker, through torchrun
-    (default) or deepspeed. A failed worker stops the others; the exit code is its exit code.
+    (default), deepspeed or accelerate. A failed worker stops the others; the exit code is its exit code.
 
     Example: `lmforge launch examples/pretrain_tiny.yaml train.max_steps=50 --nproc-per-node 2 --dry-run`
 
@@ -92,8 +99,8 @@ def launch(
     from lmforge.distributed.hostfile import hostfile_layout
 
     try:
-        if backend not in ("torchrun", "deepspeed"):
-            raise UserInputError(f"--backend {backend!r}: use torchrun or deepspeed")
+        if backend not in ("torchrun", "deepspeed", "accelerate"):
+            raise UserInputError(f"--backend {backend!r}: use torchrun, deepspeed or accelerate")
         cfg = load_config(config, overrides or [])
         worker_overrides, engine_note = _engine_for_backend(
             backend, cfg.distributed.strategy, overrides or []
@@ -115,6 +122,7 @@ def launch(
             rdzv_endpoint=rdzv_endpoint,
             rdzv_id=rdzv_id,
             hostfile=hostfile,
+            accelerate_config=accelerate_config,
         )
         slurm = slurm or slurm_out is not None
         if slurm:
@@ -151,10 +159,10 @@ def launch(
         return
     for note in launch_plan.notes:
         typer.echo(f"lmforge launch: {note}", err=True)
-    if request.backend == "deepspeed":
-        code = plan.run_deepspeed(launch_plan)
+    if request.backend in ("deepspeed", "accelerate"):
+        code = plan.run_launcher(launch_plan)
         if code:
-            typer.echo(f"error: the deepspeed launcher exited with code {code}", err=True)
+            typer.echo(f"error: the {request.backend} launcher exited with code {code}", err=True)
         raise typer.Exit(code)
     code, failures = plan.run_torchrun(launch_plan)
     if code:

@@ -58,6 +58,7 @@ FAMILIAR_NAMES = {
     "pref_loss": "train.dpo.loss",
     "loss_type": "train.dpo.loss",
     "metric_for_best_model": "train.best_metric",
+    "template": "data.chat_template",  # LLaMA-Factory's `template: llama3`
 }
 
 
@@ -365,6 +366,9 @@ def _default_text(field: Any) -> str:
 def _type_text(annotation: Any) -> str:
     if typing.get_origin(annotation) is typing.Literal:
         return " | ".join(str(choice) for choice in typing.get_args(annotation))
+    choices = typing.get_args(annotation)
+    if any(typing.get_origin(choice) is typing.Literal for choice in choices):  # `Literal[...] | None`
+        return " | ".join("None" if choice is type(None) else _type_text(choice) for choice in choices)
     if typing.get_origin(annotation) is list:
         return f"list of {_type_text(typing.get_args(annotation)[0])}"
     text = getattr(annotation, "__name__", None) or str(annotation)

@@ -12,6 +12,8 @@ from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from lmforge.config.chat_template_names import ChatTemplateName, canonical_chat_template
+
 
 class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are validated on assignment."""
@@ -147,9 +149,10 @@ class DataConfig(Section):
     max_length: int = Field(
         1024, ge=8, description="Tokens per training block (pretraining) or per sample / packed row (SFT)."
     )
-    chat_template: Literal["chatml", "llama3", "qwen2"] | None = Field(
+    chat_template: ChatTemplateName | None = Field(
         None,
-        description="Built-in chat template to use instead of the tokenizer's own (needed when it has none).",
+        description="Built-in chat template of a model family, used instead of the tokenizer's own (needed "
+        "when it has none). LLaMA-Factory's template names are accepted too (qwen, phi, gemma2, deepseek3, ...).",
     )
     train_on: Literal["assistant", "all", "last_assistant"] = Field(
         "assistant", description="Which tokens carry loss in conversations."
@@ -179,6 +182,12 @@ class DataConfig(Section):
     cache_dir: Path | None = Field(
         None, description="Where prepared data is cached; defaults to $LMFORGE_CACHE or ~/.cache/lmforge."
     )
+
+    @field_validator("chat_template", mode="before")
+    @classmethod
+    def _built_in_name(cls, name: Any) -> Any:
+        # A LLaMA-Factory name becomes the built-in's, so the resolved config records what renders.
+        return canonical_chat_template(name) if isinstance(name, str) else name
 
 
 class LoraConfig(Section):

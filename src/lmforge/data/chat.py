@@ -5,8 +5,9 @@ answer string: templates with `{% generation %}` markers (all built-ins, and the
 template of `train_tokenizer`) give transformers' assistant-token mask; for a tokenizer's
 own template without markers, each assistant turn is located by rendering the conversation
 up to it (with and without the turn) and mapping those character spans to tokens.
-The template texts live in `data.chat_templates`, the rendering and the assistant turns'
-token spans in `data.chat_render`; this module chooses the template and sets the labels.
+The catalogue of built-in templates is `data.chat_templates`, the rendering and the assistant
+turns' token spans are in `data.chat_render`; this module chooses the template, sets the labels
+and says which tokens end a turn (training) and stop generation.
 """
 
 from __future__ import annotations
@@ -19,12 +20,18 @@ from typing import Literal
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from lmforge.config.chat_template_names import CHAT_TEMPLATE_NAMES
 from lmforge.data.chat_render import (
     batched_ids_and_assistant_turns,
     has_generation_markers,
     ids_and_assistant_turns,
 )
-from lmforge.data.chat_templates import BUILTIN_TEMPLATES, ensure_template_tokens
+from lmforge.data.chat_templates import (
+    CATALOGUE,
+    builtin_template_name,
+    canonical_name,
+    ensure_template_tokens,
+)
 from lmforge.data.examples import Conversation, Origin
 from lmforge.errors import UserInputError
 
@@ -32,8 +39,18 @@ IGNORE_INDEX = -100
 TrainOn = Literal["assistant", "all", "last_assistant"]
 OverLength = Literal["truncate", "drop", "error"]
 
-# Tokens that close a turn in common templates; a sample must end with one of these (or EOS).
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+# Tokens that close a turn in the families' templates (every built-in's stop tokens); a sample
+# must end with one of these (or EOS), and generation under a template that is no built-in stops on them.
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<｜end▁of▁sentence｜>",
+    "<|user|>",
+    "<|observation|>",
+)
 
 
 @dataclass
@@ -61,29 +78,27 @@ class Dropped:
 def adopt_template(tokenizer: PreTrainedTokenizerBase, name: str | None) -> str:
     """The template to train with (built-in `name`, else the tokenizer's own), stored on the
     tokenizer with the tokens it needs, so the tokenizer saved with the model (final/,
-    `lmforge generate`, TRL's tokenization) renders exactly what training rendered."""
-    ensure_template_tokens(tokenizer, name)
+    `lmforge generate`, TRL's tokenization) renders exactly what training rendered. Generation
+    and final/'s generation_config find the template's stop tokens from it (`stop_token_ids`)."""
     template = resolve_template(tokenizer, name)
+    ensure_template_tokens(tokenizer, name)
     if name is not None:
         tokenizer.chat_template = template
     return template
 
 
 def resolve_template(tokenizer: PreTrainedTokenizerBase, name: str | None) -> str:
-    """The Jinja chat template to render with: built-in `name` when given, else the tokenizer's own."""
+    """The Jinja chat template to render with: built-in `name` (or its LLaMA-Factory alias) when
+    given, else the tokenizer's own."""
     if name is not None:
-        if name not in BUILTIN_TEMPLATES:
-            raise UserInputError(
-                f"data.chat_template: unknown template {name!r}; choose one of {', '.join(BUILTIN_TEMPLATES)}"
-            )
-        return BUILTIN_TEMPLATES[name]
+        return CATALOGUE[canonical_name(name)].text
     own = tokenizer.chat_template
     if isinstance(own, dict):  # several named templates: "default" is what apply_chat_template uses
         own = own.get("default")
     if not own:
         raise UserInputError(
             f"tokenizer {tokenizer.name_or_path or type(tokenizer).__name__} has no chat template; "
-            "set data.chat_template: chatml|llama3|qwen2"
+            f"set data.chat_template to your model family's template: {', '.join(CHAT_TEMPLATE_NAMES)}"
         )
     return str(own)
 
@@ -179,7 +194,7 @@ _END_OF_TURN_CACHE: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, tuple[int
 
 
 def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """Ids of the tokenizer's EOS and of the common end-of-turn tokens it has."""
+    """Ids of the tokenizer's EOS and of every family's end-of-turn tokens (END_OF_TURN_TOKENS) it has."""
     cached = _END_OF_TURN_CACHE.get(tokenizer)
     if cached is not None and cached[0] == len(tokenizer):
         return cached[1]
@@ -188,6 +203,26 @@ def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     _END_OF_TURN_CACHE[tokenizer] = (len(tokenizer), frozenset(ids))
+    return frozenset(ids)
+
+
+def turn_end_tokens(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
+    """The tokens that end the assistant's turn under the tokenizer's chat template, main one first:
+    the built-in's stop tokens when the template is one (the tokenizer of a run trained with a
+    built-in carries it, see `adopt_template`), else every family's (END_OF_TURN_TOKENS)."""
+    name = builtin_template_name(tokenizer.chat_template)
+    return CATALOGUE[name].stop_tokens if name is not None else END_OF_TURN_TOKENS
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Ids generation stops on: the tokenizer's EOS and the `turn_end_tokens` it has. Under a
+    built-in, only the tokens that end its turns (`end_of_turn_ids` has every family's)."""
+    if builtin_template_name(tokenizer.chat_template) is None:
+        return end_of_turn_ids(tokenizer)
+    vocab = tokenizer.get_vocab()
+    ids = {vocab[token] for token in turn_end_tokens(tokenizer) if token in vocab}
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)
 
 
@@ -208,8 +243,13 @@ def _end_with_end_of_turn(
             "the chat template does not end the assistant turn with an end-of-turn token and the tokenizer "
             "has no eos_token; set data.chat_template or give the tokenizer an eos_token"
         )
-    # The template's turn ends in plain text (or later turns follow it): append EOS as its own supervised turn.
-    return [*ids, int(tokenizer.eos_token_id)], [*turns, (len(ids), len(ids) + 1)]
+    # The template's turn ends in plain text (GLM's last turn: the next role token would end it),
+    # or later turns follow it: append EOS, supervised, as part of the last turn when it ends there
+    # (so train_on: last_assistant trains the answer with it, not the EOS alone).
+    eos = int(tokenizer.eos_token_id)
+    if turns and turns[-1][1] == len(ids):
+        return [*ids, eos], [*turns[:-1], (turns[-1][0], len(ids) + 1)]
+    return [*ids, eos], [*turns, (len(ids), len(ids) + 1)]
 
 
 # What the template writes after the last turn is the same few tokens in almost every sample

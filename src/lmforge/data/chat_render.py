@@ -16,6 +16,7 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from lmforge.config.chat_template_names import CHAT_TEMPLATE_NAMES
 from lmforge.data.examples import Conversation, Message
 from lmforge.data.tokenizer import CHATML_TEMPLATE
 from lmforge.errors import UserInputError
@@ -188,7 +189,8 @@ def _assistant_char_spans(
         if not (upto.startswith(prompt) and text.startswith(upto)):
             raise UserInputError(
                 "the tokenizer's chat template renders earlier turns differently as the conversation grows, "
-                "so assistant turns cannot be located; set data.chat_template: chatml|llama3|qwen2, or add "
+                "so assistant turns cannot be located; set data.chat_template to your model family's built-in "
+                f"({', '.join(CHAT_TEMPLATE_NAMES)}), or add "
                 "{% generation %} markers around assistant content in the template"
             )
         spans.append((len(prompt), len(upto.rstrip())))

@@ -1,101 +1,114 @@
-"""The built-in chat templates (chatml, llama3, qwen2) and the special tokens each one needs.
+"""The catalogue of built-in chat templates: for each model family, its Jinja text, the special
+tokens it writes and the tokens generation stops on.
 
-`data.chat` picks the template a run trains with (a built-in by name, else the tokenizer's
-own); the texts live here. Each built-in wraps assistant content in `{% generation %}`
-markers, so the loss mask comes from the rendering itself.
+`data.chat` picks the template a run trains with (a built-in by name, else the tokenizer's own);
+the texts live in `data.chat_template_texts` and `data.chat_template_tool_texts`. The names,
+and LLaMA-Factory's names for them, are `config.chat_template_names` (the schema validates with
+them). Every built-in wraps what the assistant writes in `{% generation %}` markers, so the loss
+mask comes from the rendering itself.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from lmforge.config.chat_template_names import CHAT_TEMPLATE_NAMES, canonical_chat_template
+from lmforge.data.chat_template_texts import (
+    GEMMA_TEMPLATE,
+    GLM4_TEMPLATE,
+    LLAMA2_TEMPLATE,
+    MISTRAL_TEMPLATE,
+    PHI3_TEMPLATE,
+    PHI4_TEMPLATE,
+)
+from lmforge.data.chat_template_tool_texts import (
+    DEEPSEEK_TEMPLATE,
+    GLM4_MOE_TEMPLATE,
+    LLAMA3_TEMPLATE,
+    QWEN2_TEMPLATE,
+    QWEN3_NOTHINK_TEMPLATE,
+    QWEN3_TEMPLATE,
+)
 from lmforge.data.tokenizer import CHATML_TEMPLATE
+from lmforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 
-# Llama 3 instruct layout (header / content / <|eot_id|>). Tool results use the `ipython`
-# role and tool calls are JSON objects with name + parameters, as Llama 3.1 writes them.
-LLAMA3_TEMPLATE = (
-    "{% if bos_token is defined and bos_token %}{{ bos_token }}{% endif %}"
-    "{% for message in messages %}"
-    "{% set role = 'ipython' if message['role'] == 'tool' else message['role'] %}"
-    "{{ '<|start_header_id|>' + role + '<|end_header_id|>\n\n' }}"
-    "{% if message['role'] == 'assistant' %}{% generation %}"
-    "{% if message['tool_calls'] is defined %}"
-    "{% for tool_call in message['tool_calls'] %}"
-    "{% set call = tool_call['function'] if tool_call['function'] is defined else tool_call %}"
-    "{{ '{\"name\": \"' + call['name'] + '\", \"parameters\": ' }}"
-    "{% if call['arguments'] is string %}{{ call['arguments'] }}{% else %}{{ call['arguments'] | tojson }}{% endif %}"
-    "{{ '}' }}"
-    "{% endfor %}"
-    "{% else %}{{ message['content'] | trim }}{% endif %}"
-    "{{ '<|eot_id|>' }}{% endgeneration %}"
-    "{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
-)
+__all__ = [
+    "BUILTIN_TEMPLATES",
+    "CATALOGUE",
+    "LLAMA3_TEMPLATE",
+    "QWEN2_TEMPLATE",
+    "TEMPLATE_TOKENS",
+    "ChatTemplate",
+    "builtin_template_name",
+    "canonical_name",
+    "ensure_template_tokens",
+]
 
-# Qwen2 / Qwen2.5 instruct layout: ChatML with a default system turn, tool schemas in a
-# <tools> block of the system turn, calls in <tool_call> tags and results in <tool_response>
-# tags of a user turn. The default system text is Qwen2's generic one, not "You are Qwen".
-_QWEN2_TOOLS_INTRO = (
-    "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>"
-)
-_QWEN2_TOOLS_OUTRO = (
-    "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, '
-    '\\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n'
-)
-QWEN2_TEMPLATE = (
-    "{% set default_system = 'You are a helpful assistant.' %}"
-    "{% if tools %}"
-    "{{ '<|im_start|>system\n' }}"
-    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% else %}{{ default_system }}{% endif %}"
-    '{{ "' + _QWEN2_TOOLS_INTRO + '" }}'
-    '{% for tool in tools %}{{ "\\n" }}{{ tool | tojson }}{% endfor %}'
-    '{{ "' + _QWEN2_TOOLS_OUTRO + '" }}'
-    "{% elif messages[0]['role'] == 'system' %}"
-    "{{ '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
-    "{% else %}{{ '<|im_start|>system\n' + default_system + '<|im_end|>\n' }}{% endif %}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'user' or (message['role'] == 'system' and not loop.first) %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% elif message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\n' }}{% generation %}"
-    "{% if message['tool_calls'] is defined %}"
-    "{% if message['content'] %}{{ message['content'] + '\n' }}{% endif %}"
-    "{% for tool_call in message['tool_calls'] %}"
-    "{% if not loop.first %}{{ '\n' }}{% endif %}"
-    "{% set call = tool_call['function'] if tool_call['function'] is defined else tool_call %}"
-    "{{ '<tool_call>\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
-    "{% if call['arguments'] is string %}{{ call['arguments'] }}{% else %}{{ call['arguments'] | tojson }}{% endif %}"
-    "{{ '}\n</tool_call>' }}"
-    "{% endfor %}"
-    "{% else %}{{ message['content'] }}{% endif %}"
-    "{{ '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
-    "{% elif message['role'] == 'tool' %}"
-    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
-    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
-    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 
-BUILTIN_TEMPLATES: dict[str, str] = {
-    "chatml": CHATML_TEMPLATE,
-    "llama3": LLAMA3_TEMPLATE,
-    "qwen2": QWEN2_TEMPLATE,
+@dataclass(frozen=True)
+class ChatTemplate:
+    """One built-in chat template."""
+
+    text: str  # the Jinja template, with {% generation %} around what the assistant writes
+    # Special tokens it writes; a tokenizer that lacks them gets them added (the embedding grows).
+    # Markup the family's tokenizers keep as plain text (Llama 2's [INST], Qwen's <tool_call>) is not listed.
+    special_tokens: tuple[str, ...]
+    # Tokens that end the assistant's turn, which generation stops on (the tokenizer's EOS always
+    # stops it too: for Llama 2 and Mistral, EOS is the end of the turn).
+    stop_tokens: tuple[str, ...]
+
+
+_CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+_GLM_TOKENS = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
+# GLM ends a turn with the next role token; <|endoftext|> (its EOS) ends the conversation.
+_GLM_STOPS = ("<|user|>", "<|observation|>", "<|endoftext|>")
+
+CATALOGUE: dict[str, ChatTemplate] = {
+    "chatml": ChatTemplate(CHATML_TEMPLATE, _CHATML_TOKENS, ("<|im_end|>",)),
+    "llama2": ChatTemplate(LLAMA2_TEMPLATE, (), ()),
+    "llama3": ChatTemplate(
+        LLAMA3_TEMPLATE, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), ("<|eot_id|>",)
+    ),
+    "mistral": ChatTemplate(MISTRAL_TEMPLATE, (), ()),
+    "gemma": ChatTemplate(GEMMA_TEMPLATE, ("<start_of_turn>", "<end_of_turn>"), ("<end_of_turn>",)),
+    "phi3": ChatTemplate(PHI3_TEMPLATE, ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"), ("<|end|>",)),
+    "phi4": ChatTemplate(PHI4_TEMPLATE, ("<|im_start|>", "<|im_sep|>", "<|im_end|>"), ("<|im_end|>",)),
+    "qwen2": ChatTemplate(QWEN2_TEMPLATE, _CHATML_TOKENS, ("<|im_end|>", "<|endoftext|>")),
+    "qwen3": ChatTemplate(QWEN3_TEMPLATE, _CHATML_TOKENS, ("<|im_end|>", "<|endoftext|>")),
+    "qwen3_nothink": ChatTemplate(QWEN3_NOTHINK_TEMPLATE, _CHATML_TOKENS, ("<|im_end|>", "<|endoftext|>")),
+    "deepseek": ChatTemplate(
+        DEEPSEEK_TEMPLATE,
+        ("<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"),  # tool-call markers stay text elsewhere
+        ("<｜end▁of▁sentence｜>",),
+    ),
+    "glm4": ChatTemplate(GLM4_TEMPLATE, _GLM_TOKENS, _GLM_STOPS),
+    "glm4_moe": ChatTemplate(GLM4_MOE_TEMPLATE, _GLM_TOKENS, _GLM_STOPS),
 }
-# Special tokens each built-in writes; a tokenizer that lacks them gets them added.
+assert tuple(CATALOGUE) == CHAT_TEMPLATE_NAMES, "config.chat_template_names lists the catalogue"
+
+BUILTIN_TEMPLATES: dict[str, str] = {name: template.text for name, template in CATALOGUE.items()}
 TEMPLATE_TOKENS: dict[str, list[str]] = {
-    "chatml": ["<|im_start|>", "<|im_end|>"],
-    "llama3": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-    "qwen2": ["<|im_start|>", "<|im_end|>"],
+    name: list(template.special_tokens) for name, template in CATALOGUE.items()
 }
+_NAME_OF_TEXT = {template.text: name for name, template in CATALOGUE.items()}
+
+
+def canonical_name(name: str) -> str:
+    """The built-in `name` stands for (a LLaMA-Factory alias resolved); UserInputError listing the names."""
+    try:
+        return canonical_chat_template(name)
+    except ValueError as err:
+        raise UserInputError(f"data.chat_template: {err}") from None
+
+
+def builtin_template_name(template: object) -> str | None:
+    """The built-in whose text `template` is (a tokenizer's chat_template), or None for any other."""
+    return _NAME_OF_TEXT.get(template) if isinstance(template, str) else None
 
 
 def ensure_template_tokens(tokenizer: PreTrainedTokenizerBase, name: str | None) -> list[str]:
@@ -103,8 +116,10 @@ def ensure_template_tokens(tokenizer: PreTrainedTokenizerBase, name: str | None)
 
     Returns the tokens added (and logs them): the model's embedding grows to fit at build time.
     """
+    if name is None:
+        return []
     vocab = tokenizer.get_vocab()
-    missing = [token for token in TEMPLATE_TOKENS.get(name or "", []) if token not in vocab]
+    missing = [token for token in CATALOGUE[canonical_name(name)].special_tokens if token not in vocab]
     if missing:
         tokenizer.add_special_tokens({"extra_special_tokens": missing}, replace_extra_special_tokens=False)
         log.warning(

@@ -73,13 +73,21 @@ def read_user_config(path: Path) -> dict[str, Any]:
 
 
 def resolve_user_config(
-    data: dict[str, Any], train: TrainConfig, *, precision: str, world_size: int, source: str
+    data: dict[str, Any],
+    train: TrainConfig,
+    *,
+    precision: str,
+    world_size: int,
+    source: str,
+    schedule_set: bool = False,
 ) -> dict[str, Any]:
     """The user's config with every "auto" that lmforge's config decides filled in, and its batch
     sizes checked against `train.*` and the world size (DeepSpeed's own assertion, said earlier).
 
-    Optimizer and scheduler "auto"s (lr, betas, warmup, total steps) are left to HF Trainer,
-    which fills them from the same TrainingArguments lmforge builds from `train.*`."""
+    An `optimizer` or `scheduler` block is honoured (DeepSpeed steps it) with its "auto"s filled
+    from `train.*` here, so the resolved file holds the numbers that run; a value that contradicts
+    `train.*` is refused, and so is a scheduler when the config also sets `train.schedule` (two
+    schedules for one lr). `bf16` / `fp16` blocks must agree with the resolved precision."""
     resolved = json.loads(json.dumps(data))  # a deep copy that is certainly plain JSON
     own = {
         "train_micro_batch_size_per_gpu": train.micro_batch_size,
@@ -104,10 +112,9 @@ def resolve_user_config(
             f"{train.grad_accum} x world size {world_size} = {expected}; DeepSpeed would refuse it. "
             'Remove train_batch_size (or write "auto"): DeepSpeed derives it'
         )
-    for section, enabled in (("bf16", precision == "bf16"), ("fp16", precision == "fp16")):
-        block = resolved.get(section)
-        if isinstance(block, dict) and block.get("enabled") == "auto":
-            block["enabled"] = enabled
+    _resolve_precision_blocks(resolved, precision, source)
+    _resolve_optimizer(resolved, train, source)
+    _resolve_scheduler(resolved, train, source, schedule_set=schedule_set)
     zero = resolved.get("zero_optimization")
     if zero is not None and not isinstance(zero, dict):
         raise UserInputError(f"{source}: zero_optimization must be an object with a stage")
@@ -126,10 +133,166 @@ def resolve_user_config(
     return resolved
 
 
+def _resolve_precision_blocks(config: dict[str, Any], precision: str, source: str) -> None:
+    """`bf16` / `fp16` blocks say what train.precision resolved to: "auto" is filled, a missing
+    block is written out, and an explicit `enabled` that contradicts it is refused."""
+    for section in ("bf16", "fp16"):
+        wanted = precision == section
+        block = config.setdefault(section, {"enabled": "auto"})
+        if not isinstance(block, dict):
+            raise UserInputError(f'{source}: {section} must be an object like {{"enabled": "auto"}}')
+        given = block.get("enabled", "auto")
+        if given == "auto":
+            block["enabled"] = wanted
+        elif bool(given) != wanted:
+            raise UserInputError(
+                f"{source}: {section}.enabled is {str(given).lower()} but train.precision resolved to "
+                f'{precision}; set train.precision: {section if given else precision} or write "enabled": "auto" '
+                "in the JSON (lmforge's precision decides)"
+            )
+
+
+# HF TrainingArguments values lmforge does not expose as train.* keys (HF's defaults).
+_ADAM_BETA1 = 0.9
+_ADAM_EPSILON = 1e-8
+
+
+def _optimizer_values(train: TrainConfig) -> dict[str, Any]:
+    """What each DeepSpeed optimizer "auto" stands for: the values HF Trainer would fill in."""
+    return {
+        "lr": train.lr,
+        "betas": [_ADAM_BETA1, train.adam_beta2],
+        "eps": _ADAM_EPSILON,
+        "weight_decay": train.weight_decay,
+    }
+
+
+def _resolve_optimizer(config: dict[str, Any], train: TrainConfig, source: str) -> None:
+    optimizer = config.get("optimizer")
+    if optimizer is None:
+        return
+    params = optimizer.setdefault("params", {}) if isinstance(optimizer, dict) else None
+    if not isinstance(params, dict) or "type" not in optimizer:
+        raise UserInputError(f'{source}: optimizer must be an object with a "type" and "params"')
+    params.setdefault("lr", "auto")  # DeepSpeed's own default lr (1e-3) would silently replace train.lr
+    _fill_autos(params, _optimizer_values(train), "optimizer.params", source, _OPTIMIZER_KEYS)
+
+
+def _resolve_scheduler(
+    config: dict[str, Any], train: TrainConfig, source: str, *, schedule_set: bool
+) -> None:
+    scheduler = config.get("scheduler")
+    if scheduler is None:
+        return
+    if not isinstance(scheduler, dict) or "type" not in scheduler:
+        raise UserInputError(f'{source}: scheduler must be an object with a "type" and "params"')
+    if schedule_set:
+        raise UserInputError(
+            f"{source}: the JSON's scheduler ({scheduler['type']}) and train.schedule ({train.schedule}) "
+            "would both decide the learning rate. Remove the scheduler block from the JSON to use "
+            "train.schedule, or remove train.schedule from the config to run the JSON's scheduler"
+        )
+    params = scheduler.setdefault("params", {})
+    if params.get("warmup_min_lr") == "auto":
+        params["warmup_min_lr"] = 0  # as HF fills it; an explicit floor is the user's to choose
+    for key in _SCHEDULER_DEFAULTED.get(scheduler["type"], ()):
+        # DeepSpeed's defaults (peak 1e-3, 1000 warmup steps) would silently replace train.*.
+        params.setdefault(key, "auto")
+    values: dict[str, Any] = {
+        "warmup_max_lr": train.lr,
+        "warmup_num_steps": max(1, train.warmup_steps),  # DeepSpeed refuses 0 (as HF fills it)
+    }
+    if train.max_steps is not None:
+        values["total_num_steps"] = train.max_steps
+    elif params.get("total_num_steps", "auto") != "auto":
+        raise UserInputError(
+            f"{source}: scheduler.params.total_num_steps is {params['total_num_steps']} but the run length is "
+            'counted in train.epochs; write "auto" (HF Trainer counts the steps) or set train.max_steps'
+        )
+    _fill_autos(params, values, "scheduler.params", source, _SCHEDULER_KEYS)
+
+
+# Where each filled JSON value comes from in lmforge's config, for the mismatch message.
+_OPTIMIZER_KEYS = {
+    "lr": "train.lr",
+    "betas": f"[{_ADAM_BETA1}, train.adam_beta2]",
+    "eps": f"HF's default {_ADAM_EPSILON} (no lmforge key)",
+    "weight_decay": "train.weight_decay",
+}
+# Parameters of DeepSpeed's warmup schedulers that default to DeepSpeed's numbers when left out.
+_SCHEDULER_DEFAULTED = {
+    "WarmupLR": ("warmup_max_lr", "warmup_num_steps"),
+    "WarmupDecayLR": ("warmup_max_lr", "warmup_num_steps", "total_num_steps"),
+}
+_SCHEDULER_KEYS = {
+    "warmup_max_lr": "train.lr",
+    "warmup_num_steps": "train.warmup_steps (at least 1)",
+    "total_num_steps": "train.max_steps",
+}
+
+
+def _fill_autos(
+    params: dict[str, Any], values: dict[str, Any], where: str, source: str, origins: dict[str, str]
+) -> None:
+    """Replace "auto" with lmforge's value; an explicit value that differs is refused (HF Trainer
+    would stop on it later, after the model was built)."""
+    for key, value in values.items():
+        given = params.get(key)
+        if given == "auto":
+            params[key] = value
+        elif given is not None and not _same(given, value):
+            raise UserInputError(
+                f"{source}: {where}.{key} is {given} but lmforge trains with {value} ({origins[key]}); "
+                f'set it in one place (write "auto" in the JSON to take {origins[key]})'
+            )
+
+
+def _same(given: Any, value: Any) -> bool:
+    if isinstance(value, list):
+        return isinstance(given, list) and len(given) == len(value) and all(map(_same, given, value))
+    return isinstance(given, (int, float)) and abs(float(given) - float(value)) <= 1e-12 * max(
+        1.0, abs(value)
+    )
+
+
+def describe_optimizer_and_schedule(config: dict[str, Any], train: TrainConfig) -> str:
+    """One line for the start banner: which optimizer and lr schedule run, and whose they are
+    (`config`: the run's DeepSpeed config, empty for other engines)."""
+    optimizer = config.get("optimizer")
+    scheduler = config.get("scheduler")
+    opt = (
+        f"optimizer: DeepSpeed {optimizer['type']} from your JSON (lr {optimizer['params'].get('lr')})"
+        if optimizer
+        else f"optimizer: AdamW (lr {train.lr:g})"
+    )
+    if not scheduler:
+        sched = f"lr schedule: {train.schedule} after {train.warmup_steps} warmup steps (train.schedule)"
+    else:
+        sched = f"lr schedule: DeepSpeed {scheduler['type']} from your JSON, " + _scheduler_shape(scheduler)
+    return f"{opt}; {sched}"
+
+
+def _scheduler_shape(scheduler: dict[str, Any]) -> str:
+    params = scheduler.get("params", {})
+    warmup = params.get("warmup_num_steps", 1000)  # DeepSpeed's defaults
+    shape = params.get("warmup_type", "log")
+    rise = f"{shape} warmup {params.get('warmup_min_lr', 0)} -> {params.get('warmup_max_lr', 0.001)} over {warmup} steps"
+    if scheduler["type"] == "WarmupLR":
+        return f"{rise}, then flat (no decay)"
+    if scheduler["type"] == "WarmupDecayLR":
+        return f"{rise}, then linear decay to step {params.get('total_num_steps', 'auto')}"
+    if scheduler["type"] == "WarmupCosineLR":
+        return f"warmup over {warmup} steps, then cosine to step {params.get('total_num_steps', 'auto')}"
+    return "with its own parameters (see deepspeed_config.json)"
+
+
 def zero_stage_of(config: dict[str, Any]) -> int:
     return int((config.get("zero_optimization") or {}).get("stage", 0))
 
 
 def write_resolved(config: dict[str, Any], path: Path) -> None:
-    """The exact DeepSpeed config of the run, beside config.yaml."""
+    """The exact DeepSpeed config of the run, beside config.yaml, as strict JSON (HF Trainer sets
+    steps_per_print to infinity, which JSON cannot hold)."""
+    if config.get("steps_per_print") == float("inf"):
+        config = {**config, "steps_per_print": _QUIET_STEPS}
     path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

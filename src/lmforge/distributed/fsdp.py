@@ -13,6 +13,8 @@ code lives here.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -103,6 +105,9 @@ class CpuFsdp:
     accelerate already picks FSDP. The `save_model` fix applies to any FSDP run (see there).
     """
 
+    # The dtype final/ is written in (`model.dtype`) whatever the engine trained in; set by lmforge.
+    weights_dtype: torch.dtype | None = None
+
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
         trainer: Any = self  # a mixin: the Trainer attributes exist only on the final class
@@ -146,8 +151,48 @@ class CpuFsdp:
         state_dict = trainer.accelerator.get_state_dict(
             engine
         )  # a collective; ZeRO-3 returns it on rank 0 only
+        dtype = getattr(trainer, "weights_dtype", None)
+        if trainer.is_deepspeed_enabled and dtype is not None:
+            state_dict = _in_configured_dtype(
+                trainer.accelerator.unwrap_model(trainer.model), state_dict, dtype
+            )
         if trainer.args.should_save:
             trainer._save(output_dir, state_dict=_without_tied_head(trainer.model, state_dict))
+            if dtype is not None:
+                _record_dtype(Path(output_dir), dtype)
+
+
+def _in_configured_dtype(
+    model: Any, state_dict: dict[str, Any] | None, dtype: torch.dtype
+) -> dict[str, Any] | None:
+    """DeepSpeed's bf16/fp16 modes train a 16-bit copy of the module and keep fp32 master weights in
+    the optimizer; its state dict is the 16-bit copy. The saved model must be what a single process
+    of the same config saves (`model.dtype`), so trained weights come from the masters (a
+    collective: every rank calls this) and everything else is cast."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    masters = {}
+    for name, param in model.named_parameters():
+        full = safe_get_full_fp32_param(param) if param.requires_grad else None
+        if full is not None:
+            masters[name] = full
+    if state_dict is None:  # ZeRO-3 gathers onto rank 0 only
+        return None
+    return {
+        key: (masters.get(key, value).to(dtype).cpu() if value.is_floating_point() else value)
+        for key, value in state_dict.items()
+    }
+
+
+def _record_dtype(model_dir: Path, dtype: torch.dtype) -> None:
+    """config.json names the dtype its weights were written in (save_pretrained takes it from the
+    module's parameters, which DeepSpeed cast)."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        return  # an adapter directory: adapter_config.json carries no dtype
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _without_tied_head(model: Any, state_dict: dict[str, Any]) -> dict[str, Any]:

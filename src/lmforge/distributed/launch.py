@@ -1,4 +1,4 @@
-"""`lmforge launch`: one node layout -> a torchrun or deepspeed command that runs `lmforge train`.
+"""`lmforge launch`: one node layout -> a torchrun, deepspeed or accelerate command that runs `lmforge train`.
 
 The command lmforge prints with `--dry-run` is the command it runs: torchrun's own argument
 parser reads the same list in this process (the elastic agent runs in-process, so a failed
@@ -15,13 +15,15 @@ import subprocess
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+import yaml
 
 from lmforge.config.redact import redact_argv, redact_text
 from lmforge.distributed.worker_failures import failure_exit_code, failure_lines
 from lmforge.errors import UserInputError
 
-Backend = Literal["torchrun", "deepspeed"]
+Backend = Literal["torchrun", "deepspeed", "accelerate"]
 WORKER_MODULE = "lmforge.cli.main"
 # Seconds between the agent's checks of its workers: a dead worker is noticed this fast.
 MONITOR_INTERVAL_S = 0.1
@@ -45,6 +47,7 @@ class LaunchRequest:
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
     hostfile: Path | None = None
+    accelerate_config: Path | None = None
 
     @property
     def node_range(self) -> tuple[int, int]:
@@ -125,19 +128,28 @@ def check_request(req: LaunchRequest) -> None:
         )
     if req.backend == "deepspeed":
         problems.extend(_deepspeed_problems(req))
+    if req.backend == "accelerate":
+        problems.extend(_accelerate_problems(req))
+    elif req.accelerate_config is not None:
+        problems.append("--accelerate-config goes with --backend accelerate")
     if problems:
         raise UserInputError(
             "\n  ".join(["bad launch options:", *problems]) if len(problems) > 1 else problems[0]
         )
 
 
+def _elastic_problem(req: LaunchRequest) -> list[str]:
+    """Only torchrun's agent restarts workers and takes node ranges."""
+    if req.rendezvous == "static":
+        return []
+    return [
+        f"--backend {req.backend} has no elastic mode: drop --max-restarts / --rdzv-* / an --nnodes range, "
+        "or use --backend torchrun"
+    ]
+
+
 def _deepspeed_problems(req: LaunchRequest) -> list[str]:
-    problems = []
-    if req.rendezvous != "static":
-        problems.append(
-            "--backend deepspeed has no elastic mode: drop --max-restarts / --rdzv-* / an --nnodes range, "
-            "or use --backend torchrun"
-        )
+    problems = _elastic_problem(req)
     if req.multi_node and req.hostfile is None:
         problems.append(
             f"--backend deepspeed with --nnodes {req.nnodes} needs --hostfile FILE, one line per node "
@@ -146,6 +158,63 @@ def _deepspeed_problems(req: LaunchRequest) -> list[str]:
     elif req.hostfile is not None and not req.hostfile.is_file():
         problems.append(f"--hostfile {req.hostfile}: no such file")
     return problems
+
+
+def _accelerate_problems(req: LaunchRequest) -> list[str]:
+    problems = _elastic_problem(req)
+    if req.hostfile is not None:
+        problems.append("--hostfile is for --backend deepspeed; accelerate takes --nnodes and --master-addr")
+    if req.accelerate_config is not None:
+        problems.extend(_accelerate_config_problems(req.accelerate_config))
+    return problems
+
+
+def read_accelerate_config(path: Path) -> dict[str, Any]:
+    """An accelerate config file (YAML or JSON, as `accelerate config` writes it)."""
+    if not path.is_file():
+        raise UserInputError(f"--accelerate-config {path}: no such file (write one with `accelerate config`)")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise UserInputError(f"--accelerate-config {path}: not valid YAML/JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise UserInputError(
+            f"--accelerate-config {path}: must hold a mapping, as `accelerate config` writes"
+        )
+    return data
+
+
+def _accelerate_config_problems(path: Path) -> list[str]:
+    try:
+        data = read_accelerate_config(path)
+    except UserInputError as err:
+        return [str(err)]
+    if data.get("use_cpu") or data.get("distributed_type") == "MULTI_CPU":
+        return [
+            f"--accelerate-config {path}: use_cpu / distributed_type MULTI_CPU makes accelerate start one "
+            "process unless it runs under mpirun; remove them (lmforge trains on CPU with gloo when there is "
+            "no CUDA device) or set distributed_type: MULTI_GPU"
+        ]
+    return []
+
+
+def accelerate_args(req: LaunchRequest) -> list[str]:
+    """`accelerate launch` arguments for `req`. Without an engine section in the accelerate config,
+    `--multi_gpu` is what makes accelerate start several processes (torchrun underneath, so also on
+    CPU with gloo); `--cpu` would start one."""
+    args: list[str] = []
+    distributed_type = None
+    if req.accelerate_config is not None:
+        args += ["--config_file", str(req.accelerate_config)]
+        distributed_type = read_accelerate_config(req.accelerate_config).get("distributed_type")
+    nodes = req.node_range[1]
+    if distributed_type in (None, "NO", "MULTI_GPU") and req.nproc_per_node * nodes > 1:
+        args.append("--multi_gpu")
+    args += ["--num_processes", str(req.nproc_per_node * nodes), "--num_machines", str(nodes)]
+    args += ["--machine_rank", str(req.node_rank or 0)]
+    args += ["--main_process_ip", req.master_addr, "--main_process_port", str(req.master_port)]
+    args += ["--monitor_interval", str(MONITOR_INTERVAL_S)]
+    return [*args, "-m", *worker_args(req)]
 
 
 def worker_args(req: LaunchRequest) -> list[str]:
@@ -187,6 +256,9 @@ def plan_launch(req: LaunchRequest) -> LaunchPlan:
     if req.backend == "torchrun":
         launcher_args = torchrun_args(req)
         command = [sys.executable, "-m", "torch.distributed.run", *launcher_args]
+    elif req.backend == "accelerate":
+        launcher_args = accelerate_args(req)
+        command = [sys.executable, "-m", "accelerate.commands.launch", *launcher_args]
     else:
         launcher_args = deepspeed_args(req)
         command = [sys.executable, "-m", "deepspeed.launcher.runner", *launcher_args]
@@ -281,6 +353,6 @@ def run_torchrun(plan: LaunchPlan) -> tuple[int, list[str]]:
     return 0, []
 
 
-def run_deepspeed(plan: LaunchPlan) -> int:
-    """Run the deepspeed launcher as a child process; its exit code."""
+def run_launcher(plan: LaunchPlan) -> int:
+    """Run the deepspeed or accelerate launcher as a child process; its exit code."""
     return subprocess.run(plan.command, env={**os.environ, **plan.env}, check=False).returncode

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -17,8 +19,18 @@ import psutil
 import torch
 
 from lmforge.config import LmforgeConfig
-from lmforge.config.schema import DistributedConfig
+from lmforge.config.schema import DistributedConfig, TrainConfig
+from lmforge.distributed.accelerate_launch import (
+    accelerate_choice,
+    check_all_processes_started,
+    check_precision,
+    forget_engine_choice,
+    launcher_argv,
+    processes_asked,
+    settings_for_accelerate,
+)
 from lmforge.distributed.deepspeed_config import (
+    describe_optimizer_and_schedule,
     generated_config,
     read_user_config,
     resolve_user_config,
@@ -64,21 +76,28 @@ class Plan:
             "reason": self.reason,
         }
 
-    def describe(self) -> str:
+    def optimizer_and_schedule(self, train: TrainConfig) -> str:
+        """The start banner's line on the optimizer and lr schedule (a DeepSpeed JSON may bring its own)."""
+        return describe_optimizer_and_schedule(self.deepspeed or {}, train)
+
+    def describe_engine(self) -> str:
         if self.engine == "deepspeed":
             offload = f", offload {self.settings.offload}" if self.settings.offload != "none" else ""
-            name = f"deepspeed ZeRO-{self.summary()['zero_stage']}{offload}"
-        elif self.engine == "fsdp" and self.settings.offload != "none":
-            name = "fsdp (FSDP2 full shard, CPU offload)"
-        else:
-            name = {"none": "single process", "ddp": "ddp", "fsdp": "fsdp (FSDP2 full shard)"}[self.engine]
-        return f"{name} on {self.world.size} process(es): {self.reason}"
+            return f"deepspeed ZeRO-{self.summary()['zero_stage']}{offload}"
+        if self.engine == "fsdp" and self.settings.offload != "none":
+            return "fsdp (FSDP2 full shard, CPU offload)"
+        return {"none": "single process", "ddp": "ddp", "fsdp": "fsdp (FSDP2 full shard)"}[self.engine]
+
+    def describe(self) -> str:
+        return f"{self.describe_engine()} on {self.world.size} process(es): {self.reason}"
 
 
 def plan_for(cfg: LmforgeConfig, *, precision: str, on_gpu: bool, world: World | None = None) -> Plan:
     """Decide the engine of this run; bad combinations fail here, before any model is built."""
     world = world or current_world()
+    cfg, launcher_reason = _with_launcher_choice(cfg, world, precision)
     settings, reason = _chosen_settings(cfg, world, on_gpu=on_gpu)
+    reason = launcher_reason or reason
     engine: Engine = "deepspeed" if settings.deepspeed_config is not None else settings.strategy  # type: ignore[assignment]
     if engine == "none" and world.size > 1:
         raise UserInputError(
@@ -96,6 +115,22 @@ def plan_for(cfg: LmforgeConfig, *, precision: str, on_gpu: bool, world: World |
     return Plan(
         engine=engine, settings=settings, world=world, deepspeed=deepspeed, reason=reason, precision=precision
     )
+
+
+def _with_launcher_choice(
+    cfg: LmforgeConfig, world: World, precision: str, env: MutableMapping[str, str] = os.environ
+) -> tuple[LmforgeConfig, str | None]:
+    """Under `accelerate launch`: all asked processes started, its precision agrees, and its engine
+    choice taken into `distributed.*` (distributed/accelerate_launch.py)."""
+    choice = accelerate_choice(env)
+    if choice is None:
+        return cfg, None
+    if "WORLD_SIZE" not in env:  # accelerate's simple launcher: one process, started directly
+        check_all_processes_started(world.size, processes_asked(launcher_argv()))
+    check_precision(choice, precision)
+    settings, reason = settings_for_accelerate(cfg.distributed, choice, grad_accum=cfg.train.grad_accum)
+    forget_engine_choice(env)
+    return cfg.model_copy(update={"distributed": settings}), reason
 
 
 def _chosen_settings(cfg: LmforgeConfig, world: World, *, on_gpu: bool) -> tuple[DistributedConfig, str]:
@@ -142,6 +177,7 @@ def _deepspeed_config(
         precision=precision,
         world_size=world.size,
         source=f"distributed.deepspeed_config: {path}",
+        schedule_set="schedule" in cfg.train.model_fields_set,
     )
 
 

@@ -2,7 +2,8 @@
 
 Prompts are rendered with the tokenizer's chat template (generation prompt added) and
 tokenized without extra special tokens, as training saw them. Generation stops at any of
-`end_of_turn_ids(tokenizer)`; the stop token is never part of the returned text.
+`stop_token_ids(tokenizer)` (the trained built-in template's stop tokens and EOS); the stop token
+is never part of the returned text.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lmforge.data.chat import end_of_turn_ids
+from lmforge.data.chat import stop_token_ids
 
 
 def chat_messages(prompt: str, system: str | None = None) -> list[dict[str, str]]:
@@ -34,7 +35,7 @@ def generation_kwargs(
     """generate() settings: stop at end of turn; greedy at temperature 0, else sampling."""
     kwargs: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
-        "eos_token_id": sorted(end_of_turn_ids(tokenizer)),
+        "eos_token_id": sorted(stop_token_ids(tokenizer)),
         "pad_token_id": tokenizer.pad_token_id,
         "do_sample": temperature > 0,
     }
@@ -73,7 +74,7 @@ def generate_answers(
     batch_size: int = 16,
 ) -> list[str]:
     """Greedy replies to many conversations, in batches left-padded so replies start together."""
-    stops = end_of_turn_ids(tokenizer) | {tokenizer.pad_token_id}
+    stops = stop_token_ids(tokenizer) | {tokenizer.pad_token_id}
     replies: list[str] = []
     for start in tqdm(range(0, len(conversations), batch_size), desc="generate answers", unit="batch"):
         texts = [render_prompt(tokenizer, m) for m in conversations[start : start + batch_size]]

@@ -11,11 +11,13 @@ from lmforge.ckpt.atomic import CheckpointStatus
 from lmforge.config import LmforgeConfig
 from lmforge.data.run_data import RunData
 from lmforge.distributed.strategy import Plan, engine_arguments
+from lmforge.models.build import DTYPES
 from lmforge.monitor.metrics import MetricsLog
 from lmforge.monitor.run_monitor import RunMonitor
 from lmforge.run_layout import RunPaths
 from lmforge.train.callbacks import (
     CheckpointCommitCallback,
+    EngineStartup,
     KillDrillCallback,
     MetricsCallback,
     ShardReport,
@@ -80,6 +82,11 @@ def assemble_trainer(
         ),
         _FinalStepCallback(has_eval),
         ShardReport(sum(p.numel() for p in model.parameters()), plan.engine),
+        EngineStartup(
+            plan.describe_engine(),
+            is_main=plan.world.is_main,
+            deepspeed_record=paths.deepspeed_config if plan.deepspeed is not None else None,
+        ),
     ]
     if cfg.debug.crash_at_step is not None:
         callbacks.append(KillDrillCallback(guard.step.drills))
@@ -88,7 +95,7 @@ def assemble_trainer(
         # A fresh run measures where it starts; a resumed one already has that record.
         args.eval_on_start = args.eval_strategy != "no" and resume is None
 
-    return build_stage_trainer(
+    trainer = build_stage_trainer(
         cfg,
         model,
         reference,
@@ -101,3 +108,6 @@ def assemble_trainer(
         precision=plan.precision,
         engine_args=engine_arguments(plan, model, gradient_checkpointing=cfg.train.gradient_checkpointing),
     )
+    # final/ is written in model.dtype whatever the engine trained in (DeepSpeed: a 16-bit copy).
+    trainer.weights_dtype = DTYPES[cfg.model.dtype]  # type: ignore[attr-defined]
+    return trainer

@@ -250,3 +250,39 @@ class ShardReport(TrainerCallback):
             100 * held / max(self.total, 1),
             self.engine,
         )
+
+
+class EngineStartup(TrainerCallback):
+    """From the end of the Trainer's construction to the first step the engine starts (DeepSpeed
+    JIT-compiles ops there): say what it is doing meanwhile (rank 0), and once it has started,
+    record the DeepSpeed config exactly as the engine received it (HF fills the last "auto"s,
+    like the step count, only then) in deepspeed_config.json."""
+
+    def __init__(self, engine: str, *, is_main: bool, deepspeed_record: Path | None) -> None:
+        from lmforge.distributed.startup_progress import StartupHeartbeat
+
+        self.heartbeat = StartupHeartbeat(engine) if is_main else None
+        self.deepspeed_record = deepspeed_record if is_main else None
+
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.start()
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        started = getattr(args, "hf_deepspeed_config", None)
+        if self.deepspeed_record is not None and started is not None:
+            from lmforge.distributed.deepspeed_config import write_resolved
+
+            write_resolved(started.config, self.deepspeed_record)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()  # a run that ends before its first step (nothing left to train)

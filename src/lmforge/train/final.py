@@ -12,6 +12,8 @@ from peft import PeftModel
 from transformers import PreTrainedTokenizerBase, Trainer
 
 from lmforge.ckpt.atomic import remove_within
+from lmforge.data.chat import stop_token_ids
+from lmforge.data.chat_templates import builtin_template_name
 from lmforge.distributed.ranks import wait_for_everyone
 from lmforge.run_layout import FINISHED_NAME, RunPaths
 
@@ -27,6 +29,23 @@ def untie_if_diverged(model: Any) -> None:
     if not torch.equal(head.weight, embedding.weight):
         config.tie_word_embeddings = False
         model.config.tie_word_embeddings = False
+
+
+def stop_at_template_turn_end(model: Any, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Make the model's generation_config (generation_config.json in final/) stop on the stop tokens
+    of the built-in chat template the run trained with, as well as the ids it already lists.
+
+    The base model's config knows its own EOS only: a base model tuned on Llama 3's or Gemma's
+    turns would run past <|eot_id|> / <end_of_turn> in transformers, vLLM or TGI, which read it.
+    Nothing changes under the tokenizer's own template (its model's config already knows it).
+    """
+    config = getattr(model, "generation_config", None)
+    if config is None or builtin_template_name(tokenizer.chat_template) is None:
+        return
+    listed = config.eos_token_id
+    listed = [] if listed is None else [listed] if isinstance(listed, int) else list(listed)
+    stops = sorted(set(listed) | stop_token_ids(tokenizer))
+    config.eos_token_id = stops[0] if len(stops) == 1 else stops
 
 
 def save_final(
@@ -49,11 +68,16 @@ def save_final(
     wait_for_everyone()  # no rank writes its part before the old leftovers are gone
     model = trainer.accelerator.unwrap_model(trainer.model)
     adapter = isinstance(model, PeftModel)
+    stop_at_template_turn_end(model, tokenizer)  # a PeftModel's is its base model's, kept by the merge
     trainer.save_model(str(staging / "adapter" if adapter else staging))
     if not trainer.is_world_process_zero():
         return
     if adapter and merge_lora:
         merged = model.merge_and_unload()
+        dtype = getattr(trainer, "weights_dtype", None)
+        if dtype is not None:
+            # DeepSpeed cast the module to its 16-bit training dtype; final/ is in model.dtype.
+            merged = merged.to(dtype)
         untie_if_diverged(merged)
         merged.save_pretrained(str(staging))
     tokenizer.save_pretrained(str(staging))

@@ -70,7 +70,7 @@ def set_up_run(cfg: LmforgeConfig, plan: Plan, paths: RunPaths) -> RunSetup:
             write_resolved_config(resolved, paths)
             write_manifest(paths, **fingerprints, distributed=plan.summary())
             if plan.deepspeed is not None:
-                write_resolved(plan.deepspeed, paths.root / "deepspeed_config.json")
+                write_resolved(plan.deepspeed, paths.deepspeed_config)
             if resume is not None:
                 dropped = MetricsLog(paths.metrics).truncate_after(resume.step)
                 log.info("resuming from %s (%d metric records after it dropped)", resume.path, dropped)

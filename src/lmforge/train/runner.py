@@ -43,7 +43,8 @@ from lmforge.train.preflight import check_runs_here
 from lmforge.train.provenance import describe
 from lmforge.train.rollback import train_with_rollbacks
 from lmforge.train.run_lock import RunLock
-from lmforge.train.run_setup import clear_partial_writes, set_up_run
+from lmforge.train.run_log import run_log
+from lmforge.train.run_setup import RunSetup, clear_partial_writes, set_up_run
 from lmforge.train.rundir import make_run_dir
 from lmforge.train.stages import needs_reference_model
 
@@ -66,6 +67,7 @@ def run_training(
     on_gpu = torch.cuda.is_available()
     plan = plan_for(cfg, precision=resolve_precision(cfg.train.precision, use_cuda=on_gpu), on_gpu=on_gpu)
     log.info("distributed: %s", plan.describe())
+    log.info("%s", plan.optimizer_and_schedule(cfg.train))
     paths = RunPaths(cfg.run.dir)
     lock = RunLock(paths.root)
     if plan.world.is_main:  # one launch, one holder: rank 0 holds it for every worker
@@ -89,11 +91,24 @@ def _run_locked(
     extra_callbacks: list[TrainerCallback],
     after_run: Callable[[Path], None],
 ) -> TrainOutcome:
-    world = plan.world
     setup = set_up_run(cfg, plan, paths)
+    if setup.start.finished is not None:
+        return _already_finished(cfg, paths, setup.start.finished, is_main=plan.world.is_main)
+    # train.log starts once the run directory is settled (a fresh start may have moved an old one).
+    with run_log(paths, is_main=plan.world.is_main):
+        return _train_run(cfg, plan, paths, setup, extra_callbacks, after_run)
+
+
+def _train_run(
+    cfg: LmforgeConfig,
+    plan: Plan,
+    paths: RunPaths,
+    setup: RunSetup,
+    extra_callbacks: list[TrainerCallback],
+    after_run: Callable[[Path], None],
+) -> TrainOutcome:
+    world = plan.world
     start = setup.start
-    if start.finished is not None:
-        return _already_finished(cfg, paths, start.finished, is_main=world.is_main)
     resume = start.resume
     tokenizer, data = setup.tokenizer, setup.data
     assert tokenizer is not None and data is not None  # set for every run that trains
