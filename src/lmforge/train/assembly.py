@@ -84,7 +84,8 @@ def assemble_trainer(
         ShardReport(sum(p.numel() for p in model.parameters()), plan.engine),
         EngineStartup(
             plan.describe_engine(),
-            is_main=plan.world.is_main,
+            # Only DeepSpeed builds ops at start; the other engines start in seconds.
+            is_main=plan.world.is_main and plan.engine == "deepspeed",
             deepspeed_record=paths.deepspeed_config if plan.deepspeed is not None else None,
         ),
     ]

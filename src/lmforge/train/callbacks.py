@@ -256,7 +256,7 @@ class EngineStartup(TrainerCallback):
     """From the end of the Trainer's construction to the first step the engine starts (DeepSpeed
     JIT-compiles ops there): say what it is doing meanwhile (rank 0), and once it has started,
     record the DeepSpeed config exactly as the engine received it (HF fills the last "auto"s,
-    like the step count, only then) in deepspeed_config.json."""
+    like the step count, only then) in deepspeed_config.json. `is_main`: this worker speaks."""
 
     def __init__(self, engine: str, *, is_main: bool, deepspeed_record: Path | None) -> None:
         from lmforge.distributed.startup_progress import StartupHeartbeat
