@@ -19,7 +19,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "lmforge"
 RANKS = {
     "cli": 9,
     "pipeline": 8,
+    "sweep": 8,
     "train": 7,
+    "registry": 7,
     "report": 6,
     "ckpt": 5,
     "evaluate": 4,

@@ -20,8 +20,9 @@ from lmforge.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-# Commands that train or load models for minutes: covered by the end-to-end tests, not run here.
-TRAINING = {"train", "quickstart", "prepare", "eval", "generate", "sweep", "push"}
+# Commands that train or load models for minutes, or read what a run pushed: covered by the
+# end-to-end tests, not run here.
+TRAINING = {"train", "quickstart", "prepare", "eval", "generate", "sweep", "push", "registry"}
 
 
 @dataclass

@@ -129,3 +129,13 @@ def read_finished(paths: RunPaths) -> dict[str, Any] | None:
     except (OSError, json.JSONDecodeError):
         return None
     return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file of a run directory, or {} when it is missing, unreadable or not an object
+    (records a reader shows when present and does without otherwise)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -86,6 +86,10 @@ REGISTRY: tuple[Coupling, ...] = (
              ("self", "path", "map_location")),
     Coupling("transformers.trainer_pt_utils:safe_globals", "private_call", "ckpt/resumable.py",
              "HF's numpy allow-list for rng_state*.pth, used to pre-check them", ()),
+    Coupling("wandb.sdk.wandb_run:Run._log_artifact", "private_call", "monitor/sink_publish.py",
+             "offline runs record the dataset as the run's input (use_after_commit); use_artifact refuses offline",
+             ("self", "artifact_or_path", "name", "type", "aliases", "tags", "distributed_id", "finalize",
+              "is_user_created", "use_after_commit")),
 )  # fmt: skip
 
 # Versions the registry was checked against: [tested, next minor) from constraints.txt.
@@ -96,6 +100,7 @@ TESTED = {
     "deepspeed": ("0.19.8", "0.20"),
     "torch": ("2.13", "2.14"),
     "peft": ("0.21", "0.22"),
+    "wandb": ("0.31", "0.32"),
 }
 
 

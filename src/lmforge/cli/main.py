@@ -24,7 +24,9 @@ from lmforge.cli.estimate import estimate
 from lmforge.cli.evaluate import eval_command, generate
 from lmforge.cli.launch import launch
 from lmforge.cli.monitor import monitor_app
+from lmforge.cli.push import push, registry_app
 from lmforge.cli.report import report, runs_app
+from lmforge.cli.sweep import sweep
 from lmforge.cli.train import prepare, train
 from lmforge.config import dump_config, load_config
 from lmforge.config.load import schema_rows
@@ -60,6 +62,9 @@ app.command("generate")(generate)
 app.command("estimate")(estimate)
 app.command("report")(report)
 app.add_typer(runs_app, name="runs")
+app.command("push")(push)
+app.add_typer(registry_app, name="registry")
+app.command("sweep")(sweep)
 app.command("doctor")(doctor)
 
 

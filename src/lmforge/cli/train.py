@@ -25,10 +25,12 @@ def train(
     Example: `lmforge train examples/pretrain_tiny.yaml train.max_steps=50`
     """
     from lmforge.report import report_after_run
+    from lmforge.sweep.trial import callbacks_from_env
     from lmforge.train.runner import run_training
 
     cfg = load_config(config, overrides)
-    outcome = run_training(cfg, after_run=report_after_run)
+    # A sweep's trial reports its eval metric to the study (and stops when the pruner says so).
+    outcome = run_training(cfg, after_run=report_after_run, extra_callbacks=callbacks_from_env())
     if outcome.interrupted_by is not None:
         console.print(
             f"[bold yellow]stopped[/] by {outcome.interrupted_by} at step {outcome.steps} with a checkpoint; "

@@ -123,14 +123,20 @@ RULES: list[Rule] = [
         "keeping the best checkpoint needs checkpoints; set train.save_every (a multiple of train.eval_every)",
     ),
     (
+        lambda c: c.train.early_stopping is not None and c.train.eval_every is None,
+        "train.early_stopping",
+        "early stopping watches evaluations; set train.eval_every (and eval data)",
+    ),
+    (
         lambda c: (
-            c.train.best_metric is not None
+            c.train.kept_best_metric is not None
             and c.train.save_every is not None
             and c.train.eval_every is not None
             and c.train.save_every % c.train.eval_every != 0
         ),
         "train.save_every",
-        "with train.best_metric each checkpoint is judged by the evaluation at its own step; "
+        "with train.best_metric (or train.early_stopping) each checkpoint is judged by the evaluation at "
+        "its own step; "
         "make train.save_every a multiple of train.eval_every",
     ),
     (

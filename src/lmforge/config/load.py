@@ -75,7 +75,7 @@ def load_config(
     if path is not None:
         raw, lines = _read_yaml_with_lines(Path(path))
     for override in overrides or []:
-        _apply_override(raw, override)
+        apply_override(raw, override)
         # An override's problems are reported against the override, not a YAML line.
         lines[tuple(override.partition("=")[0].split("."))] = -1
     try:
@@ -185,7 +185,7 @@ def _collect_lines(node: yaml.Node | None, prefix: KeyPath, out: dict[KeyPath, i
             _collect_lines(item, path, out)
 
 
-def _apply_override(raw: dict[str, Any], override: str) -> None:
+def apply_override(raw: dict[str, Any], override: str) -> None:
     """Apply one `a.b.c=value` override; the value is parsed as YAML (so 1e-4, true, [a, b] work)."""
     key, sep, value_text = override.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):

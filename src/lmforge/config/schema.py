@@ -230,6 +230,24 @@ class KtoConfig(Section):
     undesirable_weight: float = Field(1.0, gt=0, description="Loss weight of undesirable (label false) rows.")
 
 
+def lower_is_better(metric: str) -> bool:
+    """An eval metric's direction: losses and perplexities fall as a model improves, the rest rise."""
+    return "loss" in metric or "ppl" in metric
+
+
+class EarlyStoppingConfig(Section):
+    metric: str = Field(
+        "eval_loss",
+        description="Eval metric to watch (lower is better for names containing loss or ppl, higher otherwise).",
+    )
+    patience: int = Field(
+        3, ge=1, description="Stop after this many evaluations in a row without an improvement."
+    )
+    min_delta: float = Field(
+        0.0, ge=0, description="An evaluation improves only when it beats the best so far by more than this."
+    )
+
+
 class TrainConfig(Section):
     stage: Literal["pretrain", "sft", "dpo", "kto", "rm"] = Field(
         "pretrain",
@@ -276,6 +294,12 @@ class TrainConfig(Section):
         "eval_loss; lower is better for names containing loss or ppl, higher otherwise); it is recorded "
         "in checkpoints/best.json and never rotated away.",
     )
+    early_stopping: EarlyStoppingConfig | None = Field(
+        None,
+        description="Stop a run whose eval metric stopped improving (needs train.eval_every and eval data); "
+        "with train.save_every the best checkpoint is kept (train.best_metric defaults to this metric). "
+        "Example: {metric: eval_loss, patience: 3, min_delta: 0.01}.",
+    )
     resume: str = Field(
         "auto",
         description="`auto`: continue from the newest complete checkpoint if any; `never`; or a checkpoint path.",
@@ -287,6 +311,16 @@ class TrainConfig(Section):
         "naming the changes; or allow, recorded as a config_changed event.",
     )
     dataloader_workers: int = Field(0, ge=0, description="DataLoader worker processes.")
+
+    @property
+    def kept_best_metric(self) -> str | None:
+        """The metric whose best checkpoint is kept: train.best_metric, else early stopping's when
+        checkpoints are written (an early-stopped run keeps its best state)."""
+        if self.best_metric is not None:
+            return self.best_metric
+        if self.early_stopping is not None and self.save_every is not None:
+            return self.early_stopping.metric
+        return None
 
 
 class DistributedConfig(Section):

@@ -1,6 +1,7 @@
 """Everything that watches one training run from the outside, opened and closed together:
 the event log (with alerts and the Prometheus event counter listening), the metric sinks
-(W&B / MLflow / SwanLab), the Prometheus endpoint and the system sampler.
+(W&B / MLflow / SwanLab), the Prometheus endpoint and the system sampler. When a run finishes,
+`publish_run` hands its model, data report and sample generations to the sinks that publish them.
 
 Rank 0 owns the sinks, the endpoint and the sampler; every rank writes events and can alert
 (a stall or an out-of-memory is seen by the rank it happens on).
@@ -12,15 +13,19 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmforge.config.schema import MonitorConfig
 from lmforge.monitor.alerts import AlertSender, alerts_configured
 from lmforge.monitor.events import EventLog
 from lmforge.monitor.prometheus import PrometheusExporter
-from lmforge.monitor.sinks import Sink, WandbSink, open_sinks
+from lmforge.monitor.sinks import RunPublisher, Sink, WandbSink, open_sinks
 from lmforge.monitor.system import SystemSampler
 from lmforge.run_layout import RunPaths
+
+if TYPE_CHECKING:
+    from lmforge.data.run_data import RunData
+    from lmforge.monitor.run_artifacts import SampleGenerator
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +52,51 @@ class RunMonitor:
         if self.exporter is not None and sample:
             self.exporter.update(sample)
         return sample
+
+    def publish_run(
+        self,
+        paths: RunPaths,
+        run_name: str,
+        *,
+        stage: str,
+        data: RunData,
+        trainer_summary: dict[str, Any],
+        generate: SampleGenerator,
+    ) -> None:
+        """Publish a finished run to every sink that publishes (W&B, MLflow): call on rank 0 after
+        final/ and the exports are written, before `close`. The eval data (else the train data) of
+        `data` gives the prompts of the sample generations. Never raises: the model is already safe in
+        final/, so a failure is a warning and a `publish_failed` event."""
+        publishers = [sink for sink in self.sinks if isinstance(sink, RunPublisher)]
+        if not publishers:  # no model load nor generation when nothing would publish them
+            return
+        step = 0
+        try:
+            from lmforge.monitor.run_artifacts import finished_run
+
+            run = finished_run(
+                paths, run_name, stage=stage, data=data, trainer_summary=trainer_summary, generate=generate
+            )
+            step = run.step
+        except Exception as err:
+            self._publish_failed(", ".join(sink.name for sink in publishers), step, err, paths)
+            return
+        for sink in publishers:
+            try:
+                sink.publish_run(run)
+            except Exception as err:  # one sink failing must not keep the others from publishing
+                self._publish_failed(sink.name, step, err, paths)
+            else:
+                log.info(
+                    "%s: logged the model, the data report and %d generations", sink.name, len(run.samples)
+                )
+
+    def _publish_failed(self, what: str, step: int, err: Exception, paths: RunPaths) -> None:
+        message = (
+            f"publishing the finished run to {what} failed ({type(err).__name__}: {err}); "
+            f"the trained model is safe in {paths.final}"
+        )
+        self.events.emit("publish_failed", step, message)  # redacted, and logged as a warning
 
     def close(self) -> None:
         for sink in self.sinks:

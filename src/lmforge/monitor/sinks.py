@@ -6,6 +6,9 @@ network: W&B offline, MLflow's file store in run_dir/mlruns, SwanLab offline. A 
 continues the same W&B / MLflow run (ids kept in run_dir/sinks.json) on the same step axis:
 each sink logs a (key, step) pair at most once and never goes back, so the steps a resume
 replays after its checkpoint are not logged again. Open sinks on the main process only.
+
+W&B and MLflow are also `RunPublisher`s: when a run finishes, they log its model, data report,
+sample generations and summary (sink_publish.py).
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from lmforge.config.redact import redact
 from lmforge.config.schema import MonitorConfig
 from lmforge.errors import UserInputError
 from lmforge.monitor.sink_step_axis import STATE_FILE, StepAxisSink
 from lmforge.run_layout import RunPaths
+
+if TYPE_CHECKING:
+    from lmforge.monitor.run_artifacts import FinishedRun
 
 log = logging.getLogger(__name__)
 TENSORBOARD_FLUSH_SECONDS = 5.0  # how stale the TensorBoard view may get between flushes
@@ -39,6 +45,16 @@ class Sink(Protocol):
     def log(self, record: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class RunPublisher(Protocol):
+    """A sink that publishes a finished run: called once, on rank 0, after final/ and the exports are
+    written and before `close`, only when the run finished. May raise; the caller reports it."""
+
+    name: str
+
+    def publish_run(self, run: FinishedRun) -> None: ...
 
 
 def open_sinks(
@@ -155,6 +171,14 @@ class WandbSink(StepAxisSink):
         self._run.log(values, step=step)
         return True
 
+    def publish_run(self, run: FinishedRun) -> None:
+        """Dataset and model artifacts (with their lineage), the generations table and the summary."""
+        from lmforge.monitor.sink_publish import publish_wandb
+
+        # The table goes on the last step this run logged (W&B drops rows behind its step).
+        steps = [s for s in (self._step, self._floor, run.step) if s is not None]
+        publish_wandb(self._run, run, step=max(steps))
+
     def alert(self, event: dict[str, Any], window_seconds: float) -> None:
         """`wandb.alert` for an event (W&B rate-limits by title with wait_duration)."""
         import wandb
@@ -235,6 +259,12 @@ class MlflowSink(StepAxisSink):
         metrics = [Metric(key, value, now, step) for key, value in values.items()]
         self.client.log_batch(self._id, metrics=metrics)
         return True
+
+    def publish_run(self, run: FinishedRun) -> None:
+        """Dataset input, data report, generations table, summary and a LoggedModel of final/."""
+        from lmforge.monitor.sink_publish import publish_mlflow
+
+        publish_mlflow(self.client, self._id, run)
 
     def _finish(self) -> None:
         self.client.set_terminated(self._id, "FINISHED")

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-from lmforge.config.schema import TrainConfig
+from lmforge.config.schema import TrainConfig, lower_is_better
 from lmforge.run_layout import RunPaths
 
 # Arguments an engine or a stage may set to another value than lmforge's base, and why. Any
@@ -71,6 +71,7 @@ def build_training_arguments(
         # filter would only drop the packed rows' position_ids on some architectures.
         remove_unused_columns=False,
         disable_tqdm=False,
+        **_early_stopping_arguments(cfg),
     )
     for source, extra in (("engine", engine_args or {}), ("stage", stage_args or {})):
         clashes = sorted(
@@ -82,3 +83,11 @@ def build_training_arguments(
             )
         values.update(extra)
     return args_class(**values)
+
+
+def _early_stopping_arguments(cfg: TrainConfig) -> dict[str, Any]:
+    """HF's EarlyStoppingCallback reads its metric and direction from TrainingArguments."""
+    if cfg.early_stopping is None:
+        return {}
+    metric = cfg.early_stopping.metric
+    return {"metric_for_best_model": metric, "greater_is_better": not lower_is_better(metric)}

@@ -11,12 +11,14 @@ from lmforge.ckpt.atomic import CheckpointStatus
 from lmforge.config import LmforgeConfig
 from lmforge.data.run_data import RunData
 from lmforge.distributed.strategy import Plan, engine_arguments
+from lmforge.errors import UserInputError
 from lmforge.models.build import DTYPES
 from lmforge.monitor.metrics import MetricsLog
 from lmforge.monitor.run_monitor import RunMonitor
 from lmforge.run_layout import RunPaths
 from lmforge.train.callbacks import (
     CheckpointCommitCallback,
+    EarlyStopping,
     EngineStartup,
     KillDrillCallback,
     MetricsCallback,
@@ -39,6 +41,20 @@ class _FinalStepCallback(TrainerCallback):
         if state.global_step >= state.max_steps:
             control.should_log = True
             control.should_evaluate = self.has_eval
+
+
+def _early_stopping(
+    cfg: LmforgeConfig, paths: RunPaths, monitor: RunMonitor, *, has_eval: bool
+) -> EarlyStopping:
+    settings = cfg.train.early_stopping
+    assert settings is not None
+    if not has_eval:
+        raise UserInputError(
+            "train.early_stopping watches an eval metric, but this run has no eval data; add data.eval "
+            "(or data.eval_fraction) or remove train.early_stopping"
+        )
+    kept = paths.checkpoints if cfg.train.kept_best_metric is not None else None
+    return EarlyStopping(settings, monitor.events, paths.metrics, kept)
 
 
 def assemble_trainer(
@@ -76,7 +92,7 @@ def assemble_trainer(
             paths.staging,
             paths.checkpoints,
             cfg.train.keep_last,
-            best_metric=cfg.train.best_metric,
+            best_metric=cfg.train.kept_best_metric,
             writer=plan.summary(),
             drills=guard.step.drills,
         ),
@@ -89,6 +105,8 @@ def assemble_trainer(
             deepspeed_record=paths.deepspeed_config if plan.deepspeed is not None else None,
         ),
     ]
+    if cfg.train.early_stopping is not None:
+        callbacks.append(_early_stopping(cfg, paths, monitor, has_eval=has_eval))
     if cfg.debug.crash_at_step is not None:
         callbacks.append(KillDrillCallback(guard.step.drills))
 

@@ -10,14 +10,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import (
+    EarlyStoppingCallback,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from lmforge.ckpt.atomic import MANIFEST_NAME, commit_checkpoint, read_best, rotate_checkpoints, write_best
+from lmforge.config.schema import EarlyStoppingConfig, lower_is_better
 from lmforge.distributed.ranks import wait_for_everyone
 from lmforge.distributed.strategy import write_writer
 from lmforge.errors import UserInputError
-from lmforge.monitor.metrics import MetricsLog
+from lmforge.monitor.events import EventLog
+from lmforge.monitor.metrics import MetricsLog, read_metrics
 from lmforge.train.drills import Drills
 from lmforge.train.numerics import ThroughputMeter
 from lmforge.train.step import eval_record
@@ -179,14 +187,99 @@ class CheckpointCommitCallback(TrainerCallback):
         if self.best_metric is None or self.last_eval is None or self.last_eval[0] != step:
             return
         value = self.last_eval[1]
-        lower_is_better = "loss" in self.best_metric or "ppl" in self.best_metric
+        lower = lower_is_better(self.best_metric)
         if self.best is not None:
             previous = self.best["value"]
-            if (value >= previous) if lower_is_better else (value <= previous):
+            if (value >= previous) if lower else (value <= previous):
                 return
         self.best = {"step": step, "metric": self.best_metric, "value": value, "path": f"step-{step}"}
         write_best(self.checkpoints, self.best)
         log.info("best checkpoint so far: step-%d (%s=%.4g)", step, self.best_metric, value)
+
+
+class EarlyStopping(EarlyStoppingCallback):
+    """HF's early stopping (TrainingArguments.metric_for_best_model names the metric), plus what a
+    user needs to trust it: an `early_stopped` event naming the metric, the best value and where the
+    best checkpoint is; and a patience count that survives a resume (replayed from metrics.jsonl,
+    since lmforge does not restore HF's callback states)."""
+
+    def __init__(
+        self,
+        settings: EarlyStoppingConfig,
+        events: EventLog | None,
+        metrics_path: Path,
+        kept_best: Path | None,
+    ) -> None:
+        super().__init__(
+            early_stopping_patience=settings.patience, early_stopping_threshold=settings.min_delta
+        )
+        self.settings = settings
+        self.events = events
+        self.metrics_path = metrics_path
+        self.kept_best = kept_best  # the checkpoints directory when its best.json is kept, else None
+        self.stopped = False
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        super().on_train_begin(args, state, control, **kw)
+        if state.global_step > 0:
+            self._replay(args, control, state.global_step)
+
+    def _replay(self, args: TrainingArguments, control: TrainerControl, resumed_at: int) -> None:
+        """The count of evaluations without improvement up to the resumed step, by HF's own rule."""
+        metric = self.settings.metric
+        # The evaluation at step 0 (eval_on_start) is not one HF's callback judges.
+        history = [
+            float(r[metric])
+            for r in read_metrics(self.metrics_path)
+            if metric in r and 0 < r["step"] <= resumed_at
+        ]
+        replay = TrainerState()
+        self.early_stopping_patience_counter = 0
+        for value in history:
+            self.check_metric_value(args, replay, control, value)
+            better = replay.best_metric is None or (
+                value > replay.best_metric if args.greater_is_better else value < replay.best_metric
+            )
+            if better:
+                replay.best_metric = value
+
+    def on_evaluate(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        metrics: dict[str, float] | None = None,
+        **kw: Any,
+    ) -> None:
+        metric = self.settings.metric
+        if metrics is not None and metric not in metrics:
+            raise UserInputError(
+                f"train.early_stopping.metric: {metric!r} is not among the eval metrics {sorted(metrics)}; "
+                "pick one of them"
+            )
+        super().on_evaluate(args, state, control, metrics, **kw)
+        self.stopped = control.should_training_stop
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        # Told here, after the stopping step's checkpoint was sealed: it may be the new best.
+        if self.stopped and state.is_world_process_zero and self.events is not None:
+            self.events.emit("early_stopped", state.global_step, self._why(state))
+
+    def _why(self, state: TrainerState) -> str:
+        best, best_step = state.best_metric, state.best_global_step
+        where = f"{best:.6g} at step {best_step}" if best is not None else "none"
+        record = read_best(self.kept_best) if self.kept_best is not None else None
+        kept = (
+            f"; the best checkpoint is checkpoints/{record['path']} (checkpoints/best.json)" if record else ""
+        )
+        return (
+            f"early stopping: {self.settings.metric} did not improve by more than {self.settings.min_delta:g} "
+            f"in {self.settings.patience} evaluations in a row (best {where}){kept}"
+        )
 
 
 class KillDrillCallback(TrainerCallback):

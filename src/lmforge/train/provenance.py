@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from lmforge.config import LmforgeConfig, dump_config
 from lmforge.config.dotted import flatten
 from lmforge.config.recorded import read_recorded_config
 from lmforge.errors import UserInputError
-from lmforge.run_layout import RunPaths
+from lmforge.run_layout import RunPaths, read_json_object
 
 # Dotted keys (and key prefixes) whose change alters the maths of the steps still to run.
 MATHS_KEYS = (
@@ -94,7 +93,7 @@ def changes_since_last_launch(
             continue  # written before config.yaml recorded the resolved precision: unknown, not changed
         change = Change(key, before.get(key), after.get(key))
         (maths if key.startswith(MATHS_KEYS) else harmless).append(change)
-    manifest = _read_json(paths.manifest)
+    manifest = read_json_object(paths.manifest)
     for name in FINGERPRINTS:
         old = manifest.get(name)
         if old is not None and old != fingerprints.get(name):
@@ -133,14 +132,6 @@ def keep_launch_history(paths: RunPaths) -> None:
 
 def describe(changes: list[Change]) -> str:
     return "; ".join(str(change) for change in changes)
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _show(value: Any) -> str:

@@ -25,6 +25,7 @@ from lmforge.config import LmforgeConfig, dump_config
 from lmforge.config.schema import MonitorConfig
 from lmforge.distributed.strategy import Plan, plan_for
 from lmforge.errors import TrainingStopped, explain_write_failure
+from lmforge.evaluate.samples import sample_generations
 from lmforge.models.build import build_model, count_parameters
 from lmforge.models.methods import Head, apply_training_method, quantization_for
 from lmforge.monitor.metrics import MetricsLog
@@ -180,6 +181,17 @@ def _train_run(
         if failure is not None:
             raise failure from None
         raise
+    else:
+        if rank0 and guard.signal_stop is None:  # finished: final/ and the exports are written
+            summary = _metrics_summary(trainer)
+            monitor.publish_run(
+                paths,
+                cfg.run.name,
+                stage=cfg.train.stage,
+                data=data,
+                trainer_summary=summary,
+                generate=sample_generations,
+            )
     finally:
         monitor.close()
     if rank0:
@@ -193,7 +205,7 @@ def _train_run(
             parameters,
             interrupted_by=guard.signal_stop,
         )
-    summary = next(c for c in trainer.callback_handler.callbacks if isinstance(c, MetricsCallback)).summary
+    summary = _metrics_summary(trainer)
     outcome = outcome_of(
         paths, trainer.state.global_step, parameters, resumed_from=resume.path if resume else None
     )
@@ -260,6 +272,11 @@ def _train_and_export(
     if trainer.is_world_process_zero():
         guard.events.emit("finished", step, f"finished after {step} steps")
     return export
+
+
+def _metrics_summary(trainer: Trainer) -> dict[str, float]:
+    """HF Trainer's end-of-training figures (train_loss, train_runtime, ...)."""
+    return next(c for c in trainer.callback_handler.callbacks if isinstance(c, MetricsCallback)).summary
 
 
 def _target(cfg: LmforgeConfig) -> str:

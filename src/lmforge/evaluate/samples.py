@@ -1,0 +1,114 @@
+"""A few greedy generations of a trained model on prompts taken from its own data: what the
+W&B and MLflow sinks publish with a finished run (monitor/run_artifacts.py).
+
+Prompts by stage: pretrain, the first tokens of a block (the next tokens are the reference);
+sft, a sample's tokens before its first supervised token (the reply is the reference); dpo / kto,
+the prompt turns rendered with the chat template (the chosen or good answer is the reference).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lmforge.config.redact import redact_text
+from lmforge.monitor.run_artifacts import Sample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+SAMPLE_COUNT = 4
+MAX_NEW_TOKENS = 32  # bounds the cost: 4 x 32 greedy tokens
+PROMPT_TOKENS = 16  # the head of a pretraining block that serves as its prompt
+
+
+def sample_generations(model_dir: Path, dataset: Any, count: int = SAMPLE_COUNT) -> list[Sample]:
+    """Greedy completions of the first `count` prompts of `dataset` by the model in `model_dir`."""
+    import torch
+
+    from lmforge.data.chat import stop_token_ids
+    from lmforge.evaluate.generation import generation_kwargs, until_stop
+    from lmforge.evaluate.loading import load_for_inference
+
+    model, tokenizer = load_for_inference(model_dir)
+    prompts = sample_prompts(dataset, tokenizer, count)
+    if not prompts:
+        raise ValueError("the data holds no row to prompt with")
+    stops = stop_token_ids(tokenizer) | {tokenizer.pad_token_id}
+    generate: Any = model.generate  # typed upstream as a Tensor attribute
+    samples = []
+    try:
+        with torch.inference_mode():
+            for ids, reference in prompts:
+                input_ids = torch.tensor([ids], device=model.device)
+                output = generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    **generation_kwargs(tokenizer, MAX_NEW_TOKENS),
+                )
+                new = until_stop(output[0, len(ids) :].tolist(), stops)
+                samples.append(
+                    Sample(
+                        prompt=redact_text(str(tokenizer.decode(ids))),
+                        completion=redact_text(str(tokenizer.decode(new, skip_special_tokens=True))),
+                        reference=redact_text(reference) if reference is not None else None,
+                    )
+                )
+    finally:
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the copy loaded for sampling gives its memory back
+    return samples
+
+
+def sample_prompts(
+    dataset: Any, tokenizer: PreTrainedTokenizerBase, count: int
+) -> list[tuple[list[int], str | None]]:
+    """(prompt token ids, reference text or None) for the first `count` rows of a training or eval
+    dataset of any stage: token rows (pretrain blocks, SFT samples or packed rows) or TRL's
+    conversational rows (dpo, kto)."""
+    prompts: list[tuple[list[int], str | None]] = []
+    for index in range(len(dataset)):
+        item = dataset[index]
+        if "prompt" in item:
+            prompts.append(_conversation_prompt(item, tokenizer))
+        else:
+            ids, labels = _as_list(item["input_ids"]), _as_list(item["labels"])
+            pieces = (
+                list(zip(ids, labels, strict=True)) if ids and isinstance(ids[0], list) else [(ids, labels)]
+            )
+            prompts.extend(_token_prompt(i, lab, tokenizer) for i, lab in pieces)
+        if len(prompts) >= count:
+            break
+    return [p for p in prompts if p[0]][:count]
+
+
+def _token_prompt(
+    ids: list[int], labels: list[int], tokenizer: PreTrainedTokenizerBase
+) -> tuple[list[int], str | None]:
+    """A prompt masked out of the loss (SFT) ends where supervision starts; the reply is the
+    reference. A row supervised throughout (pretraining) is cut after its first tokens."""
+    first = next((i for i, label in enumerate(labels) if label != -100), len(labels))
+    if 0 < first < len(ids):
+        end = next((i for i in range(first, len(labels)) if labels[i] == -100), len(labels))
+        return ids[:first], str(tokenizer.decode(ids[first:end], skip_special_tokens=True))
+    cut = min(PROMPT_TOKENS, max(1, len(ids) // 2))
+    reference = ids[cut : cut + MAX_NEW_TOKENS]
+    return ids[:cut], str(tokenizer.decode(reference, skip_special_tokens=True)) if reference else None
+
+
+def _conversation_prompt(
+    item: dict[str, Any], tokenizer: PreTrainedTokenizerBase
+) -> tuple[list[int], str | None]:
+    """A dpo / kto row: its prompt turns rendered with the generation prompt, the good answer as reference."""
+    from lmforge.evaluate.generation import render_prompt
+
+    text = render_prompt(tokenizer, item["prompt"])
+    ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    answer = item.get("chosen") if "chosen" in item else item.get("completion") if item.get("label") else None
+    reference = str(answer[-1].get("content", "")) if isinstance(answer, list) and answer else None
+    return ids, reference
+
+
+def _as_list(value: Any) -> list[Any]:
+    return value.tolist() if hasattr(value, "tolist") else list(value)

@@ -1,0 +1,58 @@
+"""`lmforge push RUN_DIR --to TARGET`: one finished run into a registry, with its model card and lineage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from lmforge.registry.hub import push_hub
+from lmforge.registry.lineage import build_lineage, model_files
+from lmforge.registry.local import push_local
+from lmforge.registry.mlflow_registry import push_mlflow
+from lmforge.registry.records import PushResult
+from lmforge.registry.targets import HubTarget, LocalTarget, MlflowTarget, Target, parse_target
+from lmforge.report.load import load_run
+
+
+def push_run(run_dir: Path, to: str | Target, *, name: str | None = None, private: bool = True) -> PushResult:
+    """Push the model of the finished run in `run_dir` to `to` (a directory, mlflow:URI or
+    hf://owner/name) as `name` (default: the run's name; on the Hub, the repository's).
+
+    UserInputError (before anything is written) for an unknown target, a run without a complete
+    final/, a missing Hub token or MLflow; WorkFailed when the registry cannot be reached or a
+    staged file would carry a secret."""
+    target = parse_target(to) if isinstance(to, str) else to
+    model = model_files(run_dir)  # refuses an unfinished run before the registry is touched
+    run = load_run(run_dir, verify_hashes=False)
+    registry_name = name or (target.repo_id if isinstance(target, HubTarget) else run.name)
+    secrets = _uri_secrets(target)
+
+    def lineage_for(hashes: dict[str, dict[str, Any]], push: dict[str, Any]) -> dict[str, Any]:
+        return build_lineage(run, model, hashes, name=registry_name, push=push)
+
+    if isinstance(target, LocalTarget):
+        _refuse_inside_run(target.root / registry_name, run_dir)
+        return push_local(model, lineage_for, target, registry_name, extra_secrets=secrets)
+    if isinstance(target, MlflowTarget):
+        return push_mlflow(model, lineage_for, target, registry_name, extra_secrets=secrets)
+    return push_hub(model, lineage_for, target, private=private, extra_secrets=secrets)
+
+
+def _uri_secrets(target: Target) -> tuple[str, ...]:
+    """The password and query values of a tracking URI: no pushed file may carry them."""
+    if not isinstance(target, MlflowTarget):
+        return ()
+    parts = urlsplit(target.uri)
+    return tuple(v for v in (parts.password, *(value for _, value in parse_qsl(parts.query))) if v)
+
+
+def _refuse_inside_run(model_dir: Path, run_dir: Path) -> None:
+    from lmforge.errors import UserInputError
+
+    target, run = model_dir.resolve(), run_dir.resolve()
+    if target == run or run in target.parents or target in run.parents:
+        raise UserInputError(
+            f"--to {model_dir.parent}: the registry entry {model_dir} would be inside or around the run "
+            f"directory {run_dir}; pick a registry directory outside it (for example --to registry/)"
+        )

@@ -1,0 +1,1 @@
+"""Sweeps: many trainings of one config searched by Optuna (space, study, trials)."""

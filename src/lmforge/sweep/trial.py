@@ -1,0 +1,168 @@
+"""One sweep trial: `lmforge train CONFIG overrides` in a child process, its own run directory
+under the sweep directory, and its eval metric reported to the study as it trains.
+
+The child learns which trial it is from LMFORGE_SWEEP_TRIAL (storage URL, study, trial id,
+metric). At each evaluation it reports the metric to Optuna and asks the pruner; a pruned trial
+stops like an early-stopped run (final/ written, a `pruned` event saying why) and the parent
+marks it pruned. The objective of a finished trial is its last evaluation of the metric.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from lmforge.monitor.events import EventLog
+from lmforge.monitor.metrics import read_metrics
+from lmforge.run_layout import RunPaths
+
+ENV = "LMFORGE_SWEEP_TRIAL"
+USER_ERROR_EXIT = 2  # `lmforge train` refused its config: every trial would be refused too
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    storage: str
+    study: str
+    trial_id: int
+    metric: str
+    run_dir: str
+    pruner: str  # the pruner lives in the sweep process only: the trial builds the same one
+    prune_after: int
+
+    def to_env(self) -> str:
+        return json.dumps(self.__dict__)
+
+
+class PruningReport(TrainerCallback):
+    """In the trial's process: the eval metric to the study at each evaluation; stop when pruned."""
+
+    def __init__(self, spec: TrialSpec) -> None:
+        from lmforge.sweep.study import make_pruner, open_storage
+
+        self.spec = spec
+        study = optuna.load_study(
+            study_name=spec.study,
+            storage=open_storage(spec.storage),
+            pruner=make_pruner(spec.pruner, spec.prune_after),  # type: ignore[arg-type]
+        )
+        self.trial = optuna.Trial(study, spec.trial_id)
+        self.events = EventLog(RunPaths(Path(spec.run_dir)).events)
+
+    def on_evaluate(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        metrics: dict[str, float] | None = None,
+        **kw: Any,
+    ) -> None:
+        # Step 0 (eval_on_start) is the same for every trial of one seed: nothing to compare.
+        if not state.is_world_process_zero or state.global_step == 0 or not metrics:
+            return
+        if self.spec.metric not in metrics:
+            return  # the parent fails the trial, naming the metrics there are
+        self.trial.report(float(metrics[self.spec.metric]), state.global_step)
+        if self.trial.should_prune():
+            control.should_training_stop = True
+            self.events.emit(
+                "pruned",
+                state.global_step,
+                f"sweep pruner: {self.spec.metric}={metrics[self.spec.metric]:.6g} at step {state.global_step} "
+                "is worse than the other trials at this step",
+            )
+
+
+def callbacks_from_env() -> list[TrainerCallback]:
+    """The pruning report when this process is a sweep trial, else nothing."""
+    raw = os.environ.get(ENV)
+    return [PruningReport(TrialSpec(**json.loads(raw)))] if raw else []
+
+
+@dataclass
+class TrialResult:
+    status: str  # complete | pruned | failed | interrupted | refused
+    value: float | None = None
+    step: int | None = None
+    message: str = ""
+
+
+def run_trial(command: list[str], spec: TrialSpec, log_path: Path, threads: int | None) -> TrialResult:
+    """Run one trial's `lmforge train` to its end and say how it ended."""
+    env = {**os.environ, ENV: spec.to_env()}
+    if threads is not None:  # K trials at once share the cores instead of oversubscribing them
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("a") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_stop_with_parent
+        )
+        try:
+            code = process.wait()
+        except BaseException:
+            # Ctrl-C reached the trial too (one process group): it checkpoints and exits by itself.
+            # Anything else: ask it to, with the signal lmforge checkpoints on.
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.send_signal(signal.SIGTERM)
+                with contextlib.suppress(Exception):
+                    process.wait(timeout=300)
+            raise
+    return _result(code, Path(spec.run_dir), spec.metric, log_path)
+
+
+def _stop_with_parent() -> None:
+    """Linux: the trial gets SIGTERM (checkpoint, then exit) when the sweep process dies, even by SIGKILL."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _result(code: int, run_dir: Path, metric: str, log_path: Path) -> TrialResult:
+    events = _events(run_dir)
+    kinds = [e["kind"] for e in events]
+    if code == USER_ERROR_EXIT:
+        return TrialResult("refused", message=_tail(log_path))
+    if "signal" in kinds[-1:] or (code != 0 and code < 0):
+        return TrialResult("interrupted", message=f"stopped by a signal (see {log_path})")
+    if code != 0 or "finished" not in kinds:
+        last = events[-1]["message"] if events else _tail(log_path)
+        return TrialResult("failed", message=f"exit code {code}: {last}")
+    values = [(r["step"], float(r[metric])) for r in read_metrics(RunPaths(run_dir).metrics) if metric in r]
+    pruned = [e for e in events if e["kind"] == "pruned"]
+    if pruned:
+        return TrialResult(
+            "pruned", values[-1][1] if values else None, pruned[-1]["step"], pruned[-1]["message"]
+        )
+    if not values:
+        return TrialResult("failed", message=f"the run logged no {metric}; is there eval data?")
+    step, value = values[-1]
+    return TrialResult("complete", value, step)
+
+
+def _events(run_dir: Path) -> list[dict[str, Any]]:
+    files = sorted(RunPaths(run_dir).events.glob("*.jsonl")) if RunPaths(run_dir).events.is_dir() else []
+    events = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
+    return sorted(events, key=lambda e: e["time"])
+
+
+def _tail(path: Path, lines: int = 8) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def train_command(config: Path, overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "lmforge.cli.main", "train", str(config), *overrides]
