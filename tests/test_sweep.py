@@ -70,6 +70,12 @@ def test_a_bad_space_is_refused_naming_file_and_key(tmp_path: Path, space: dict,
     assert "space.yaml" in str(err.value)
 
 
+def test_the_shipped_space_fits_the_shipped_config() -> None:
+    root = Path(__file__).resolve().parents[1] / "examples"
+    space = load_space(root / "sweep" / "space.yaml", root / "pretrain_tiny.yaml", [])
+    assert list(space.distributions) == ["train.lr", "train.warmup_steps"]
+
+
 def test_cli_refuses_a_bad_space_and_a_config_without_evaluations(tmp_path: Path) -> None:
     config = str(write_config(tmp_path))
     bad = run_cli("sweep", config, *SHORT, "--space", str(write_space(tmp_path, {"train.nope": [1]})))

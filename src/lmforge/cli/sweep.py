@@ -63,7 +63,7 @@ def sweep(
     database, so a killed sweep run again continues (finished trials are not repeated) and several
     processes can share one study. Writes best.yaml, summary.csv and sweep.html.
 
-    Example: `lmforge sweep examples/pretrain_tiny.yaml --space examples/sweep_space.yaml --trials 8`
+    Example: `lmforge sweep examples/pretrain_tiny.yaml --space examples/sweep/space.yaml --trials 8`
     """
     from lmforge.errors import UserInputError
     from lmforge.sweep.run import SweepOptions, best_trial, run_sweep
