@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import struct
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from lmforge.monitor.run_monitor import RunMonitor
 from lmforge.run_layout import RunPaths
 from lmforge.train.runner import run_training
 from tests.conftest import ROOT, SMALL_ARCH, save_tiny_llama
+from tests.test_sinks import wandb_records
 
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")
@@ -304,25 +304,8 @@ def _wandb_records(run_dir: Path, timeout: float = 20.0) -> list[Any]:
 
 
 def _read_wandb_file(run_dir: Path) -> list[Any]:
-    """The protobuf Records of an offline .wandb file (LevelDB log format)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
     (path,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
-    data = path.read_bytes()
-    records, pos, block, chunks = [], 7, 32768, b""
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a header is padding
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        chunks += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST: one whole record
-            record = pb.Record()
-            record.ParseFromString(chunks)
-            records.append(record)
-            chunks = b""
-    return records
+    return wandb_records(path)
 
 
 def _assert_no_secret(root: Path) -> None:

@@ -42,13 +42,13 @@ def _config() -> dict[str, Any]:
     return {"run": {"name": "demo"}, "train": {"lr": 3e-4, "max_steps": 6}, "note": f"pushed with {SECRET}"}
 
 
-def _wandb_history(path: Path) -> list[dict[str, float]]:
-    """History rows of an offline .wandb file (LevelDB log format of protobuf Records)."""
+def wandb_records(path: Path) -> list[Any]:
+    """The protobuf Records of an offline .wandb file (LevelDB log format)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = path.read_bytes()
     assert data[:4] == b":W&B"
-    rows, pos, block, chunks = [], 7, 32768, b""
+    records, pos, block, chunks = [], 7, 32768, b""
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
@@ -59,14 +59,18 @@ def _wandb_history(path: Path) -> list[dict[str, float]]:
         if kind in (1, 4):  # FULL or LAST: one whole record
             record = pb.Record()
             record.ParseFromString(chunks)
+            records.append(record)
             chunks = b""
-            if record.HasField("history"):
-                row = {
-                    item.key or ".".join(item.nested_key): json.loads(item.value_json)
-                    for item in record.history.item
-                }
-                rows.append(row)
-    return rows
+    return records
+
+
+def _wandb_history(path: Path) -> list[dict[str, float]]:
+    """History rows of an offline .wandb file."""
+    return [
+        {item.key or ".".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+        for record in wandb_records(path)
+        if record.HasField("history")
+    ]
 
 
 def _wandb_rows(run_dir: Path) -> list[dict[str, float]]:

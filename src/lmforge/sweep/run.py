@@ -193,9 +193,12 @@ class _Objective:
                 override("run.name", name),
             ],
         )
+        log_path = self.directory / "logs" / f"{name}.log"
+        with self.lock:  # a trial trains for minutes: say where to watch it
+            self.say(f"trial {trial.number:>3}  started in {name} (console: {log_path})")
         started = time.monotonic()
         try:
-            result = run_trial(command, spec, self.directory / "logs" / f"{name}.log", self.threads)
+            result = run_trial(command, spec, log_path, self.threads)
         except KeyboardInterrupt:
             trial.set_user_attr(studies.INTERRUPTED, True)  # queued again by the next sweep
             raise

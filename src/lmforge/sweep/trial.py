@@ -134,7 +134,7 @@ def _result(code: int, run_dir: Path, metric: str, log_path: Path) -> TrialResul
     kinds = [e["kind"] for e in events]
     if code == USER_ERROR_EXIT:
         return TrialResult("refused", message=_tail(log_path))
-    if "signal" in kinds[-1:] or (code != 0 and code < 0):
+    if kinds[-1:] == ["signal"] or code < 0:  # stopped at a checkpoint, or killed by a signal
         return TrialResult("interrupted", message=f"stopped by a signal (see {log_path})")
     if code != 0 or "finished" not in kinds:
         last = events[-1]["message"] if events else _tail(log_path)
