@@ -216,3 +216,29 @@ def test_two_processes_share_one_sqlite_study(tmp_path: Path) -> None:
     assert all((Path(d) / "final").is_dir() for d in dirs)
     # Both processes ran trials: each printed at least one finished trial of its own.
     assert all("->  eval_loss" in output for output in outputs)
+
+
+def test_joining_a_study_its_creator_is_still_describing(tmp_path: Path) -> None:
+    """A second sweep may open the study between the creator's two attribute writes: it records
+    what is missing; a study of another metric or space is refused."""
+    from lmforge.sweep import study as studies
+
+    storage = studies.open_storage(f"sqlite:///{tmp_path / 'study.db'}")
+    half = optuna.create_study(storage=storage, study_name="base")
+    half.set_user_attr("metric", "eval_loss")  # the creator has not written the space yet
+
+    def join(metric: str, space: list[str]) -> optuna.Study:
+        return studies.open_study(
+            storage,
+            "base",
+            direction="minimize",
+            metric=metric,
+            space_keys=space,
+            sampler=optuna.samplers.RandomSampler(),
+            pruner=optuna.pruners.NopPruner(),
+        )
+
+    joined = join("eval_loss", ["train.lr"])
+    assert joined.user_attrs == {"metric": "eval_loss", "space": ["train.lr"]}
+    with pytest.raises(UserInputError, match="optimises eval_loss over"):
+        join("eval_loss", ["train.lr", "train.warmup_steps"])

@@ -113,11 +113,14 @@ def open_study(
         pruner=pruner,
         load_if_exists=True,
     )
+    # Each attribute is its own write: a sweep starting beside the one that created the study may
+    # see the metric recorded and the space not yet; what is missing is recorded, never compared.
     recorded = study.user_attrs
-    if not recorded:
-        study.set_user_attr("metric", metric)
-        study.set_user_attr("space", space_keys)
-    elif recorded.get("metric") != metric or recorded.get("space") != space_keys:
+    wanted = {"metric": metric, "space": space_keys}
+    for key, value in wanted.items():
+        if key not in recorded:
+            study.set_user_attr(key, value)
+    if any(key in recorded and recorded[key] != value for key, value in wanted.items()):
         raise UserInputError(
             f"study {name!r} in this storage optimises {recorded.get('metric')} over {recorded.get('space')}, "
             f"not {metric} over {space_keys}; pass another --study-name (or --out) for a new sweep"
