@@ -242,3 +242,15 @@ def test_joining_a_study_its_creator_is_still_describing(tmp_path: Path) -> None
     assert joined.user_attrs == {"metric": "eval_loss", "space": ["train.lr"]}
     with pytest.raises(UserInputError, match="optimises eval_loss over"):
         join("eval_loss", ["train.lr", "train.warmup_steps"])
+
+
+def test_several_processes_opening_one_new_sqlite_study_at_once(tmp_path: Path) -> None:
+    """Each creates the tables of a new database when it opens it: the lock beside the file makes
+    them take turns (without it, one failed with 'table studies already exists' or a UNIQUE error)."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    code = f"from lmforge.sweep.study import open_storage; open_storage({url!r})"
+    openers = [
+        subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True) for _ in range(4)
+    ]
+    errors = [opener.communicate(timeout=120)[1] for opener in openers]
+    assert [opener.returncode for opener in openers] == [0, 0, 0, 0], errors

@@ -8,12 +8,15 @@ and manifest are present and every hash matches; anything else is reported, neve
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,3 +194,15 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def holding_lock(path: Path) -> Iterator[None]:
+    """An exclusive OS lock on the file `path` (created if missing) for the block: processes on this
+    machine that take it run the block one at a time; a process that dies releases it."""
+    with open(path, "a+", encoding="utf-8") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

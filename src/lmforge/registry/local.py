@@ -8,16 +8,13 @@ an interrupted push leaves no version at all, and `list` / `show` count sealed v
 
 from __future__ import annotations
 
-import fcntl
 import os
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from lmforge.ckpt.atomic import MARKER_NAME, check_checkpoint, commit_checkpoint, remove_within
+from lmforge.ckpt.atomic import MARKER_NAME, check_checkpoint, commit_checkpoint, holding_lock, remove_within
 from lmforge.errors import UserInputError
 from lmforge.registry.bundle import finish_bundle, stage_model
 from lmforge.registry.lineage import LINEAGE_NAME, LineageFor, ModelFiles, hash_files, read_lineage
@@ -59,7 +56,7 @@ def push_local(
         staging.mkdir()
         stage_model(model, staging, link=False)  # the slow part, outside the lock
         hashes = hash_files({n: staging / n for n in model.files})
-        with _locked(model_dir):
+        with holding_lock(model_dir / LOCK_NAME):  # one version number per push
             version = next_version(model_dir)
             final = model_dir / str(version)
             lineage = lineage_for(hashes, {"registry": "local", "version": str(version)})
@@ -134,14 +131,3 @@ def _lineage_or_none(path: Path) -> dict[str, Any] | None:
         return read_lineage(path)
     except UserInputError:
         return None
-
-
-@contextmanager
-def _locked(model_dir: Path) -> Iterator[None]:
-    """An OS lock on <name>/.lock while a version number is taken and its directory renamed in."""
-    with open(model_dir / LOCK_NAME, "a+", encoding="utf-8") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)

@@ -16,12 +16,14 @@ import socket
 import time
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import optuna
+import sqlalchemy
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
+from lmforge.ckpt.atomic import holding_lock
 from lmforge.errors import UserInputError
 
 # Optuna marks its heartbeat and retry API experimental; it is the documented way to recover
@@ -44,24 +46,38 @@ def default_storage(sweep_dir: Path) -> str:
 
 
 def open_storage(url: str) -> RDBStorage:
-    """The study database; SQLite waits for a writer instead of failing with 'database is locked'."""
-    engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
-    for attempt in range(3):
+    """The study database; SQLite waits for a writer instead of failing with 'database is locked'.
+
+    Optuna creates a new database's tables when it opens it; two sweeps opening one new SQLite file
+    at once would both create them, so the opening holds a lock beside the file. A server database
+    (PostgreSQL, MySQL) opened by two machines at once: the one that loses the race opens it again."""
+    try:
+        if url.startswith("sqlite:///"):
+            database = Path(url.removeprefix("sqlite:///"))
+            with holding_lock(database.with_name(database.name + ".lock")):
+                return _rdb_storage(url, {"connect_args": {"timeout": 60}})
         try:
-            return RDBStorage(
-                url,
-                engine_kwargs=engine_kwargs,
-                heartbeat_interval=HEARTBEAT_SECONDS,
-                grace_period=GRACE_SECONDS,
-                heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES),
-            )
-        except Exception as err:  # bad URL, missing driver, unreachable server
-            # Two sweeps starting on a new database both create its tables: the loser finds them made.
-            if "already exists" in str(err) and attempt < 2:
-                time.sleep(1.0)
-                continue
-            raise UserInputError(f"--storage: cannot open {_without_password(url)}: {err}") from None
-    raise AssertionError("unreachable")
+            return _rdb_storage(url, {})
+        except sqlalchemy.exc.DBAPIError:
+            time.sleep(1.0)  # another process was creating the tables: they are there now
+            return _rdb_storage(url, {})
+    except (sqlalchemy.exc.DBAPIError, OSError) as err:  # unreachable server, unwritable directory
+        raise UserInputError(f"--storage: cannot open {_without_password(url)}: {err}") from None
+
+
+def _rdb_storage(url: str, engine_kwargs: dict[str, Any]) -> RDBStorage:
+    try:
+        return RDBStorage(
+            url,
+            engine_kwargs=engine_kwargs,
+            heartbeat_interval=HEARTBEAT_SECONDS,
+            grace_period=GRACE_SECONDS,
+            heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES),
+        )
+    except sqlalchemy.exc.DBAPIError:
+        raise
+    except Exception as err:  # bad URL, missing driver, unreachable server
+        raise UserInputError(f"--storage: cannot open {_without_password(url)}: {err}") from None
 
 
 def _without_password(url: str) -> str:
