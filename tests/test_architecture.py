@@ -31,7 +31,12 @@ RANKS = {
     "models": 1,
     "config": 0,
 }
-LEAVES = {"errors", "upstream", "run_layout"}  # shared, below every package; they import no lmforge package
+LEAVES = {
+    "errors",
+    "upstream",
+    "run_layout",
+    "verbosity",
+}  # shared, below every package; they import no lmforge package
 
 
 def _module_name(path: Path) -> str:

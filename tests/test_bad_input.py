@@ -200,7 +200,7 @@ def test_a_sink_without_its_extra_stops_before_any_work(
     result = CliRunner().invoke(app, ["train", str(config), "monitor.loggers=[tensorboard, swanlab]"])
     # `lmforge` maps a UserInputError to exit 2 with its message (main(), tested above).
     assert isinstance(result.exception, UserInputError), result.output
-    assert "pip install 'lmforge[swanlab]'" in str(result.exception) and "monitor.loggers" in str(
+    assert "pip install 'swanlab>=0.10' 'protobuf<7'" in str(result.exception) and "monitor.loggers" in str(
         result.exception
     )
     assert not (tmp_path / "runs" / "bad" / "data_report.json").exists()

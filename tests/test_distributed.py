@@ -101,6 +101,25 @@ STRATEGIES = {
 }
 # Share of the parameters each of the 2 ranks holds while training: sharded or replicated.
 HELD = {"ddp": 1.0, "fsdp": 0.5, "zero2": 1.0, "zero3": 0.5}
+# monitor.comm_metrics (on by default): the time each engine's collectives took, positive at every
+# logged step (DDP's comm hook, FSDP2's custom collectives, DeepSpeed's comms logger).
+COMM_TIMED = {
+    "ddp": ("comm_all_reduce_s",),
+    "fsdp": ("comm_all_gather_s", "comm_reduce_scatter_s"),
+    "zero2": ("comm_all_reduce_s", "comm_all_gather_s"),
+    "zero3": ("comm_all_gather_s", "comm_reduce_scatter_s"),
+}
+
+
+def comm_metrics_problems(run_dir: Path, name: str) -> list[str]:
+    """Logged steps whose communication times are missing, not positive, or a share outside (0, 1]."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    problems = []
+    for record in (r for r in records if "loss" in r):
+        times = {key: record.get(key) for key in (*COMM_TIMED[name], "comm_share")}
+        if not all(isinstance(v, float) and v > 0 for v in times.values()) or times["comm_share"] > 1:
+            problems.append(f"step {record['step']}: {times}")
+    return problems
 
 
 def held_shares(stderr: str) -> dict[int, float]:
@@ -126,6 +145,7 @@ def test_two_processes_match_one_and_resume_from_their_own_checkpoint(
     assert curve[STEPS] < curve[1] - 0.5  # it learned
     shares = held_shares(result.stderr)
     assert sorted(shares) == [0, 1] and all(abs(v - HELD[name]) < 0.01 for v in shares.values()), shares
+    assert not comm_metrics_problems(run_dir, name), comm_metrics_problems(run_dir, name)
 
     manifest = json.loads((run_dir / "manifest.json").read_text())
     engine = "deepspeed" if name.startswith("zero") else name
@@ -135,6 +155,9 @@ def test_two_processes_match_one_and_resume_from_their_own_checkpoint(
         ).is_dir()
         assert len(list(middle_dir.glob("*.distcp"))) == 2
     assert manifest["distributed"]["engine"] == engine and manifest["distributed"]["world_size"] == 2
+    # The report names the engine the run used (the config's strategy alone would not say ZeRO-3).
+    strategy = f"deepspeed ZeRO-{name[-1]}" if engine == "deepspeed" else engine
+    assert f"<th>strategy</th><td>{strategy} x 2 processes on CPU" in (run_dir / "report.html").read_text()
     middle = run_dir / "checkpoints" / f"step-{STEPS // 2}"
     assert check_checkpoint(middle).complete
     writer = json.loads((middle / "lmforge_writer.json").read_text())

@@ -20,6 +20,7 @@ from lmforge.train.numerics import (
     peak_flops,
     perplexity,
 )
+from lmforge.train.step import TrainStep
 
 
 def test_real_tokens_for_blocks_samples_and_packed_rows() -> None:
@@ -66,6 +67,22 @@ def test_throughput_window_and_perplexity() -> None:
 def test_flops_per_token_and_mfu_follow_the_palm_formula() -> None:
     # 6N for the weights plus 12 * layers * hidden * seq for attention (PaLM, appendix B).
     assert flops_per_token(1_000_000, 4, 256, 512) == 6e6 + 12 * 4 * 256 * 512
+    # LoRA / freeze: frozen weights get no weight gradient, so 4N + 2 * trainable.
+    assert flops_per_token(1_000_000, 4, 256, 512, trainable=10_000) == 4e6 + 2e4 + 12 * 4 * 256 * 512
     # 1,000 tokens/s at 1 GFLOP per token on 2 devices of 1 TFLOP/s each: 50% utilisation.
     assert mfu(1000.0, 1e9, 1e12, 2) == pytest.approx(0.5)
     assert peak_flops(torch.device("cpu")) > 1e9  # a measured matmul peak on CPU
+
+
+def test_cpu_peak_is_measured_in_the_precision_that_trains() -> None:
+    # This CPU has bf16 units: a bf16 run measured against the fp32 peak showed MFU above 1.
+    fp32, bf16 = peak_flops(torch.device("cpu"), "fp32"), peak_flops(torch.device("cpu"), "bf16")
+    assert bf16 != fp32 and min(fp32, bf16) > 1e9
+
+
+def test_mfu_never_passes_one_and_the_peak_follows_what_was_achieved() -> None:
+    step = TrainStep(flops_per_token=1e9, peak_flops=1e12)
+    assert step.utilisation(500.0) == pytest.approx(0.5)
+    assert step.utilisation(2000.0) == 1.0  # 2 TFLOP/s achieved: the measured peak was low
+    assert step.peak_flops == pytest.approx(2e12)
+    assert step.utilisation(1000.0) == pytest.approx(0.5)

@@ -365,3 +365,45 @@ def test_length_histogram_bins_are_powers_of_two() -> None:
     for part in ([1, 2, 3], [4, 7], [8, 100]):
         streamed.add(np.array(part))
     assert streamed.to_json() == length_histogram(np.array([1, 2, 3, 4, 7, 8, 100]))
+
+
+@pytest.mark.parametrize(
+    ("distributed", "expected"),
+    [
+        ({"engine": "none", "world_size": 1, "zero_stage": None}, "single process on CPU (2 cores)"),
+        ({"engine": "ddp", "world_size": 2, "zero_stage": None}, "ddp x 2 processes on CPU (2 cores)"),
+        (
+            {"engine": "deepspeed", "world_size": 2, "zero_stage": 3},
+            "deepspeed ZeRO-3 x 2 processes on CPU (2 cores)",
+        ),
+    ],
+)
+def test_strategy_line_is_the_engine_the_manifest_recorded(
+    tmp_path: Path, distributed: dict[str, Any], expected: str
+) -> None:
+    # The config says strategy auto with ZeRO-2 defaults; the run used what manifest.json records.
+    run = build_run(tmp_path)
+    manifest = {
+        "created": "2026-11-22T10:00:00+0000",
+        "hardware": {"cpu_count": 2},
+        "distributed": distributed,
+    }
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    page = write_report(run).read_text()
+    assert f"<th>strategy</th><td>{expected}</td>" in page
+
+
+def test_rl_and_moe_metrics_get_their_sections_only_when_recorded(tmp_path: Path) -> None:
+    plain = write_report(build_run(tmp_path, name="plain")).read_text()
+    assert "<h2>Reinforcement learning</h2>" not in plain and "<h2>Mixture of experts</h2>" not in plain
+    run = build_run(tmp_path, name="rl-moe")
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        record.update({"reward": 0.1 * record["step"], "kl": 0.01, "rewards/exact_match/mean": 0.5})
+        record.update({"moe_load_imbalance": 1.2, "aux_loss": 0.03})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    page = write_report(run).read_text()
+    rl = page.split("<h2>Reinforcement learning</h2>")[1].split("<h2>")[0]
+    moe = page.split("<h2>Mixture of experts</h2>")[1].split("<h2>")[0]
+    assert set(re.findall(r'data-metric="stage_([^"]+)"', rl)) == {"kl", "reward", "rewards/exact_match/mean"}
+    assert set(re.findall(r'data-metric="stage_([^"]+)"', moe)) == {"aux_loss", "moe_load_imbalance"}

@@ -4,7 +4,9 @@ and a run killed with SIGKILL resumes to bit-identical weights."""
 from __future__ import annotations
 
 import json
+import re
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lmforge.ckpt.atomic import MARKER_NAME
+from lmforge.monitor.metrics import read_metrics
 from tests.conftest import SMALL_ARCH, run_cli
 
 pytestmark = pytest.mark.slow
@@ -295,3 +298,30 @@ def test_quickstart_runs_offline_and_says_where_everything_is(tmp_path: Path) ->
         report = tmp_path / "qs" / name / "report.html"
         assert report.is_file() and str(report) in result.stdout
         assert "<svg" in report.read_text()
+    _console_is_quiet_and_train_log_is_whole(result, tmp_path / "qs")
+    # MFU counts the method's FLOPs (LoRA: no weight gradients for frozen weights) against the
+    # peak of the precision that trains (bf16 on this CPU); it never passes 1.
+    for name in ("pretrain", "finetune"):
+        utilisation = [r["mfu"] for r in read_metrics(tmp_path / "qs" / name / "metrics.jsonl") if "mfu" in r]
+        assert utilisation and all(0 < value <= 1 for value in utilisation), (name, max(utilisation))
+
+
+def _console_is_quiet_and_train_log_is_whole(result: subprocess.CompletedProcess[str], out: Path) -> None:
+    """What the user sees: one formatted line per logged step and per eval; no raw HF log dicts,
+    tqdm bars or upstream notices without an action. train.log keeps all of those."""
+    printed = result.stdout + result.stderr
+    assert "{'loss'" not in printed and "'eval_loss'" not in printed  # HF's raw log dicts
+    # HF Trainer's tqdm bars (training, and eval nested inside it: no description before the
+    # percentage, unlike lmforge's own "generate answers: 50%|") and transformers' load bars.
+    assert not re.search(r"(^|\r) *\d+%\|", printed, re.M) and "Loading weights" not in printed
+    for notice in ("Setting accelerator to CPU", "tied layer is part of the adapter", "FutureWarning"):
+        assert notice not in printed, notice
+    assert re.search(
+        r"step +20/20  loss \d+\.\d{4}  lr [\d.]+e-\d\d  grad [\d.]+  tok/s [\d,]+  MFU [\d.]+%", printed
+    )
+    assert re.search(r"eval at step 20:  loss [\d.]+  ppl [\d.]+", printed)
+    pretrain_log = (out / "pretrain" / "train.log").read_text()
+    finetune_log = (out / "finetune" / "train.log").read_text()
+    assert "hf_trainer.logs: step 20: {'loss'" in pretrain_log and "'eval_loss'" in pretrain_log
+    assert "Setting accelerator to CPU" in pretrain_log
+    assert "tied layer is part of the adapter" in finetune_log

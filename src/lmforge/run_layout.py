@@ -41,8 +41,23 @@ class RunPaths:
         return self.root / "events"
 
     @property
+    def eval_samples(self) -> Path:
+        """Greedy completions of eval prompts at each eval step, one JSON line per sample with its step."""
+        return self.root / "eval_samples.jsonl"
+
+    @property
     def tensorboard(self) -> Path:
         return self.root / "tb"
+
+    @property
+    def histograms(self) -> Path:
+        """Per-tensor mean, std and abs max of weights and gradients at each histogram step."""
+        return self.root / "histograms.jsonl"
+
+    @property
+    def profile(self) -> Path:
+        """torch.profiler traces (Chrome/Perfetto JSON) and the top-ops table of the profiled window."""
+        return self.root / "profile"
 
     @property
     def stacks(self) -> Path:
@@ -98,6 +113,7 @@ class RunPaths:
         """What a training run writes here: the only entries lmforge ever moves or deletes."""
         names = [
             *("config.yaml", "manifest.json", "metrics.jsonl", "events", "tb", "data_report.json"),
+            "eval_samples.jsonl",
             *("checkpoints", "final", "final.partial", "final.old", "export", "report.html", "stacks"),
             *(
                 "deepspeed_config.json",
@@ -109,6 +125,8 @@ class RunPaths:
                 "mlruns",
                 "swanlog",
                 "history",
+                "histograms.jsonl",
+                "profile",
             ),
         ]
         return [self.root / name for name in names]

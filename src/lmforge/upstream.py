@@ -8,6 +8,7 @@ Torch-free at import: upstream modules are imported only inside the checks.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import logging
 from dataclasses import dataclass
@@ -90,6 +91,17 @@ REGISTRY: tuple[Coupling, ...] = (
              "offline runs record the dataset as the run's input (use_after_commit); use_artifact refuses offline",
              ("self", "artifact_or_path", "name", "type", "aliases", "tags", "distributed_id", "finalize",
               "is_user_created", "use_after_commit")),
+    Coupling("torch.distributed.fsdp._fully_shard._fsdp_collectives:DefaultAllGather.__call__", "private_call",
+             "distributed/comm_timing.py", "FSDP2's own all-gather, wrapped to be timed (set_custom_all_gather)",
+             ("self", "output_tensor", "input_tensor", "group", "async_op")),
+    Coupling("torch.distributed.fsdp._fully_shard._fsdp_collectives:DefaultReduceScatter.__call__",
+             "private_call", "distributed/comm_timing.py",
+             "FSDP2's own reduce-scatter, wrapped to be timed (set_custom_reduce_scatter)",
+             ("self", "output_tensor", "input_tensor", "group", "op", "async_op")),
+    Coupling("deepspeed.comm.comm:comms_logger", "private_attribute", "distributed/comm_timing.py",
+             "comm_* metrics under DeepSpeed: its comms logger's records, read and reset every step"),
+    Coupling("deepspeed.comm.comm:timers", "private_attribute", "distributed/comm_timing.py",
+             "the comms logger's timers log running totals; reset with its records every step"),
 )  # fmt: skip
 
 # Versions the registry was checked against: [tested, next minor) from constraints.txt.
@@ -165,3 +177,42 @@ def check_upstream_coupling() -> list[str]:
         for entry in REGISTRY
         if (problem := coupling_problem(entry))
     ]
+
+
+def route_deepspeed_logs() -> None:
+    """DeepSpeed's "DeepSpeed" logger writes to stdout through a handler of its own and does not
+    propagate, so its INFO lines and its import-time "Setting accelerator to CPU" bypass the
+    console filter and train.log alike. Import it with stdout captured (when nothing imported it
+    yet), let its records propagate (the console filter and train.log decide) and replay what the
+    import printed into the log. A no-op without DeepSpeed."""
+    import contextlib
+    import io
+    import sys
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return
+    printed = io.StringIO()
+    if "deepspeed" not in sys.modules:
+        with contextlib.redirect_stdout(printed):
+            import deepspeed  # noqa: F401  (the import is what prints)
+    logger = logging.getLogger("DeepSpeed")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    logger.propagate = True
+    for line in printed.getvalue().splitlines():
+        if line.strip():
+            logger.log(logging.WARNING if "[WARNING]" in line else logging.INFO, "%s", line)
+
+
+def quiet_progress_bars(quiet: bool = True) -> None:
+    """transformers' "Loading weights" / "Writing model shards" and the Hub's download bars:
+    lmforge shows one progress display per stage of its own (`quiet=False` brings them back)."""
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    if quiet:
+        transformers_logging.disable_progress_bar()
+        disable_progress_bars()
+    else:
+        transformers_logging.enable_progress_bar()
+        enable_progress_bars()

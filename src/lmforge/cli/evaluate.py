@@ -45,6 +45,13 @@ def eval_command(
         "prompt/response pair, for example question=prompt,answer=response.",
         show_default=False,
     ),
+    bertscore_model: str = typer.Option(
+        None,
+        "--bertscore-model",
+        help="Also score QA answers with BERTScore F1 using this encoder (a local model directory; "
+        "needs: pip install 'lmforge[bertscore]').",
+        show_default=False,
+    ),
     out: Path = typer.Option(
         None,
         "--out",
@@ -53,7 +60,8 @@ def eval_command(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print only the JSON summary on stdout."),
 ) -> None:
-    """Perplexity, QA accuracy and generation samples of a trained model.
+    """Perplexity, QA accuracy, generation quality (BLEU, chrF, ROUGE-1/2/L, exact match on 0-100)
+    and generation samples of a trained model.
 
     Example: `lmforge eval runs/sft/final --data qa.jsonl --scoring contains --json`
     """
@@ -71,6 +79,7 @@ def eval_command(
         tasks=[t.strip() for t in (tasks or "").split(",") if t.strip()],
         adapter=adapter,
         columns=parse_columns(columns),
+        bertscore_model=bertscore_model,
     )
     model_dir, summary = evaluate(request)
     document = json.dumps(json_safe(summary), indent=2)

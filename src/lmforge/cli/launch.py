@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from lmforge.cli.console import VERBOSE_HELP, apply_verbosity
 from lmforge.config.redact import redact_text
 from lmforge.errors import UserInputError
 
@@ -85,6 +86,7 @@ def launch(
         help="Where --slurm writes the script (implies --slurm) [default: <run.output_dir>/<run.name>.sbatch].",
         show_default=False,
     ),
+    verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """Start distributed training: `lmforge train CONFIG k=v ...` on every worker, through torchrun
     (default), deepspeed or accelerate. A failed worker stops the others; the exit code is its exit code.
@@ -96,6 +98,8 @@ def launch(
     """
     from lmforge.config import load_config
     from lmforge.distributed import launch as plan
+
+    apply_verbosity(verbose)  # the workers inherit it (LMFORGE_VERBOSE)
     from lmforge.distributed.hostfile import hostfile_layout
 
     try:

@@ -18,7 +18,7 @@ from rich.logging import RichHandler
 
 from lmforge.cli.ckpt import ckpt_app
 from lmforge.cli.ckpt_verify import VERIFY_FAILED
-from lmforge.cli.console import OVERRIDES_HELP, console
+from lmforge.cli.console import OVERRIDES_HELP, VERBOSE_HELP, apply_verbosity, console
 from lmforge.cli.doctor import doctor
 from lmforge.cli.estimate import estimate
 from lmforge.cli.evaluate import eval_command, generate
@@ -38,6 +38,7 @@ from lmforge.errors import (
     UserInputError,
     WorkFailed,
 )
+from lmforge.verbosity import QUIET_CONSOLE, is_verbose
 
 app = typer.Typer(
     name="lmforge",
@@ -87,10 +88,12 @@ def _setup_logging() -> None:
         handler = logging.StreamHandler(sys.stderr)
         fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     handler.addFilter(_RedactingFilter())
+    handler.addFilter(QUIET_CONSOLE)  # upstream notices without an action: train.log only
     logging.basicConfig(level=logging.INFO, format=fmt, handlers=[handler], force=True)
     import transformers
 
     transformers.logging.set_verbosity_warning()
+    apply_verbosity(is_verbose())  # a command's --verbose turns the bars back on
 
 
 @app.command()
@@ -100,6 +103,7 @@ def quickstart(
     ),
     steps: int = typer.Option(200, help="Pretraining steps (fewer for a faster, rougher demo)."),
     finetune_steps: int = typer.Option(200, help="LoRA fine-tuning steps on the word-group task."),
+    verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """Offline demo of the whole pipeline on CPU in minutes: tokenizer, pretraining, evaluation, sample,
     LoRA fine-tuning with held-out accuracy before and after.
@@ -108,6 +112,7 @@ def quickstart(
     """
     from lmforge.pipeline.quickstart import run_quickstart
 
+    apply_verbosity(verbose)
     run_quickstart(out, pretrain_steps=steps, finetune_steps=finetune_steps, console=console)
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import typer
 
 from lmforge.cli.ckpt import print_export
-from lmforge.cli.console import OVERRIDES_HELP, console
+from lmforge.cli.console import OVERRIDES_HELP, VERBOSE_HELP, apply_verbosity, console
 from lmforge.config import load_config
 from lmforge.distributed.worker_failures import record_worker_errors
 
@@ -19,6 +19,7 @@ from lmforge.distributed.worker_failures import record_worker_errors
 def train(
     config: Path = typer.Argument(..., help="YAML config file."),
     overrides: list[str] = typer.Argument(None, help=OVERRIDES_HELP, show_default=False),
+    verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """Run a training job in this process.
 
@@ -28,6 +29,7 @@ def train(
     from lmforge.sweep.trial import callbacks_from_env
     from lmforge.train.runner import run_training
 
+    apply_verbosity(verbose)
     cfg = load_config(config, overrides)
     # A sweep's trial reports its eval metric to the study (and stops when the pruner says so).
     outcome = run_training(cfg, after_run=report_after_run, extra_callbacks=callbacks_from_env())

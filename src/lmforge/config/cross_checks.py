@@ -181,6 +181,16 @@ RULES: list[Rule] = [
         "fsdp is wired for full fine-tuning and pretraining here; for adapter methods (lora, dora, qlora, "
         "freeze) use distributed.strategy: ddp or deepspeed",
     ),
+    (
+        lambda c: (
+            c.monitor.profile is not None
+            and c.train.max_steps is not None
+            and c.monitor.profile.start_step + c.monitor.profile.steps - 1 > c.train.max_steps
+        ),
+        "monitor.profile.start_step",
+        "the profiled window (monitor.profile.start_step to start_step + monitor.profile.steps - 1) ends after "
+        "train.max_steps; lower monitor.profile.start_step or monitor.profile.steps, or raise train.max_steps",
+    ),
 ]
 
 

@@ -416,6 +416,55 @@ class GuardConfig(Section):
     )
 
 
+class HistogramsConfig(Section):
+    every: int = Field(
+        100,
+        ge=1,
+        description="Write weight and gradient histograms every N optimizer steps (rank 0: an FSDP run shows "
+        "rank 0's shard of each tensor; DeepSpeed ZeRO-3 none), and their mean/std/abs max to histograms.jsonl.",
+    )
+    max_elements: int = Field(
+        65536,
+        ge=1024,
+        description="Elements sampled per tensor (a fixed random subset), which bounds the cost for big layers.",
+    )
+    weights: bool = Field(True, description="Histograms of the trainable weights, one per parameter tensor.")
+    gradients: bool = Field(
+        True, description="Histograms of their gradients (after clipping, before the update)."
+    )
+
+
+class ProfileConfig(Section):
+    start_step: int = Field(
+        5,
+        ge=1,
+        description="The first optimizer step recorded (skip the first steps: they include warm-up); the window "
+        "must end by train.max_steps.",
+    )
+    steps: int = Field(3, ge=1, le=100, description="Optimizer steps recorded.")
+    memory: bool = Field(True, description="Record tensor allocations (profile_memory).")
+    record_shapes: bool = Field(False, description="Record input shapes of each op (bigger traces).")
+    with_stack: bool = Field(False, description="Record Python stacks of each op (much bigger traces).")
+    all_ranks: bool = Field(False, description="Profile every rank of a distributed run (default: rank 0).")
+
+
+class EvalGenerationsConfig(Section):
+    prompts: int = Field(
+        4, ge=1, le=512, description="Eval rows whose prompt is completed greedily at each eval step."
+    )
+    max_new_tokens: int = Field(32, ge=1, description="Tokens generated per prompt at most.")
+    metrics: bool = Field(
+        True,
+        description="Score the completions against the rows' references: BLEU and chrF (sacrebleu), "
+        "ROUGE-1/2/L (rouge-score), exact match; logged as eval_bleu, eval_chrf, eval_rouge1, ...",
+    )
+    bertscore_model: str | None = Field(
+        None,
+        description="Also BERTScore F1 (eval_bertscore) with this local model directory; needs the "
+        "`bertscore` extra.",
+    )
+
+
 class MonitorConfig(Section):
     enabled: bool = Field(
         True,
@@ -440,6 +489,25 @@ class MonitorConfig(Section):
     )
     guard: GuardConfig = Field(
         default_factory=GuardConfig, description="Guardrails that act on a run's health."
+    )
+    eval_generations: EvalGenerationsConfig | None = Field(
+        default_factory=EvalGenerationsConfig,
+        description="At each eval step, greedy completions of a few eval prompts: shown as text in "
+        "TensorBoard (a table in W&B) and scored against their references (null: off).",
+    )
+    histograms: HistogramsConfig | None = Field(
+        None,
+        description="TensorBoard weight and gradient histograms, sampled (opt-in: {every: 100}).",
+    )
+    profile: ProfileConfig | None = Field(
+        None,
+        description="torch.profiler over a window of steps: a Chrome/Perfetto trace in <run>/profile/, the "
+        "TensorBoard profiler format in tb/, and a top-ops table in the report (opt-in: {start_step: 5}).",
+    )
+    comm_metrics: bool = Field(
+        True,
+        description="In distributed runs, time in all-reduce / reduce-scatter / all-gather per step and their "
+        "share of the step time (comm_*_s, comm_share), from the engine.",
     )
 
 

@@ -10,12 +10,14 @@ DeepSpeed's world size on CPU: NOTES.md.)
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from lmforge.config.schema import DistributedConfig, TrainConfig
 from lmforge.errors import UserInputError
 
+log = logging.getLogger(__name__)
 # Never let DeepSpeed print its own step lines: lmforge logs every step already.
 _QUIET_STEPS = 2**31 - 1
 
@@ -50,6 +52,28 @@ def generated_config(
             "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
         }
     return config
+
+
+# DeepSpeed's comms logger, the source of comm_* metrics under DeepSpeed (distributed/comm_timing.py).
+# When enabled it synchronises the device after every collective (deepspeed.comm.timed_op), which
+# on GPUs serialises communication with compute (ZeRO's overlap_comm): more than the monitoring
+# overhead budget, so lmforge turns it on by itself on CPU only, where that synchronise is a no-op.
+# On GPUs a `comms_logger` block in the user's DeepSpeed JSON turns it on, at that cost.
+COMMS_LOGGER = {"enabled": True, "verbose": False, "prof_all": True, "debug": False}
+
+
+def add_comms_logger(config: dict[str, Any], *, on_gpu: bool) -> None:
+    """Turn DeepSpeed's comms logger on for monitor.comm_metrics, unless the config says otherwise."""
+    if "comms_logger" in config:
+        return  # the user's JSON decides
+    if on_gpu:
+        log.info(
+            "monitor.comm_metrics: DeepSpeed's comms logger synchronises the GPU after every collective, so "
+            'it stays off; add "comms_logger": {"enabled": true} to a distributed.deepspeed_config JSON '
+            "to log comm_* metrics at that cost"
+        )
+        return
+    config["comms_logger"] = dict(COMMS_LOGGER)
 
 
 def read_user_config(path: Path) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from lmforge.distributed.accelerate_launch import (
     settings_for_accelerate,
 )
 from lmforge.distributed.deepspeed_config import (
+    add_comms_logger,
     describe_optimizer_and_schedule,
     generated_config,
     read_user_config,
@@ -169,16 +170,20 @@ def _deepspeed_config(
     cfg: LmforgeConfig, settings: DistributedConfig, *, precision: str, on_gpu: bool, world: World
 ) -> dict[str, Any]:
     if settings.deepspeed_config is None:
-        return generated_config(settings, cfg.train, precision=precision, on_gpu=on_gpu)
-    path = settings.deepspeed_config
-    return resolve_user_config(
-        read_user_config(path),
-        cfg.train,
-        precision=precision,
-        world_size=world.size,
-        source=f"distributed.deepspeed_config: {path}",
-        schedule_set="schedule" in cfg.train.model_fields_set,
-    )
+        config = generated_config(settings, cfg.train, precision=precision, on_gpu=on_gpu)
+    else:
+        path = settings.deepspeed_config
+        config = resolve_user_config(
+            read_user_config(path),
+            cfg.train,
+            precision=precision,
+            world_size=world.size,
+            source=f"distributed.deepspeed_config: {path}",
+            schedule_set="schedule" in cfg.train.model_fields_set,
+        )
+    if cfg.monitor.enabled and cfg.monitor.comm_metrics and world.size > 1:
+        add_comms_logger(config, on_gpu=on_gpu)
+    return config
 
 
 def engine_arguments(plan: Plan, model: Any, *, gradient_checkpointing: bool) -> dict[str, Any]:

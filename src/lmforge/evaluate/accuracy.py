@@ -49,6 +49,12 @@ def answer_accuracy(
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
     )
+    return score_answers(rows, replies, scoring)
+
+
+def score_answers(rows: Sequence[dict[str, str]], replies: list[str], scoring: Scoring) -> dict[str, Any]:
+    """answer_accuracy's summary of replies already generated (lmforge eval also scores them
+    for generation quality)."""
     verdicts = [is_correct(got, row["answer"], scoring) for row, got in zip(rows, replies, strict=True)]
     examples = [
         {"question": row["question"], "expected": row["answer"], "got": got, "correct": ok}

@@ -1,9 +1,11 @@
 """`lmforge eval`: the evaluation summary of a run's final model or of a model directory.
 
-The summary is one JSON-ready dict: per data file results (perplexity; accuracy for QA
-rows), the run's own eval data when given a config, harness task results, and top-level
-totals (`accuracy`, `correct`, `total` over every QA file; `perplexity` of the run's eval
-data, else of the first data file).
+The summary is one JSON-ready dict: per data file results (perplexity; accuracy and
+generation quality for QA rows), the run's own eval data when given a config (perplexity, and
+the generation quality of rows with an answer: sft, dpo, kto), harness task results, and
+top-level totals (`accuracy`, `correct`, `total` over every QA file; `perplexity` of the run's
+eval data, else of the first data file). Generation quality (evaluate/quality.py) scores the
+same greedy answers that accuracy does: BLEU, chrF, ROUGE-1/2/L and exact match, on 0-100.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from lmforge.errors import UserInputError
 from lmforge.evaluate.harness import require_harness, run_harness_tasks
 from lmforge.evaluate.loading import load_for_inference
+from lmforge.evaluate.quality import generation_quality, require_bertscore
 from lmforge.evaluate.rows import data_kind, read_qa_rows, read_texts
 
 if TYPE_CHECKING:
@@ -25,6 +28,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 TEXT_BLOCK_SIZE = 256  # tokens per perplexity block of plain text
+ANSWER_STAGES = ("sft", "dpo", "kto")  # stages whose eval rows carry an answer to score generations on
+QUALITY_LABELS = {
+    "bleu": "BLEU",
+    "chrf": "chrF",
+    "rouge1": "ROUGE-1",
+    "rouge2": "ROUGE-2",
+    "rougeL": "ROUGE-L",
+    "exact_match": "exact match",
+    "bertscore": "BERTScore",
+}
 
 
 @dataclass
@@ -40,6 +53,7 @@ class EvalRequest:
     adapter: Path | None = None
     batch_size: int = 8
     columns: dict[str, str] | None = None  # QA rows: {"question": COL, "answer": COL}
+    bertscore_model: str | None = None  # also BERTScore F1 with this encoder (the bertscore extra)
 
 
 def is_config(target: Path) -> bool:
@@ -50,6 +64,7 @@ def evaluate(request: EvalRequest) -> tuple[Path, dict[str, Any]]:
     """Run every requested evaluation; returns the evaluated model directory and the summary."""
     if request.tasks:
         require_harness()  # fail before minutes of loading, not after
+    require_bertscore(request.bertscore_model, "--bertscore-model")
     sources = [
         _read_source(path, request.limit, request.columns) for path in request.data
     ]  # bad rows fail before loading
@@ -91,6 +106,8 @@ def _evaluate_run(request: EvalRequest, summary: dict[str, Any]) -> tuple[Path, 
         )
     model, tokenizer = load_for_inference(final, request.adapter)
     _, _, data = prepare_run_data(cfg, for_training=False)  # eval never batches by micro_batch_size
+    if cfg.train.stage in ANSWER_STAGES and data.eval is not None and len(data.eval) > 0:  # type: ignore[arg-type]
+        summary["run_eval_generations"] = _run_eval_generations(model, tokenizer, data.eval, request)
     if data.eval is None or len(data.eval) == 0:  # type: ignore[arg-type]
         note = "the config has no eval data (set data.eval or data.eval_fraction); no run perplexity"
     elif data.conversational_rows:  # preference-style data batched by TRL: no plain next-token loss
@@ -117,7 +134,8 @@ def _read_source(path: Path, limit: int | None, columns: dict[str, str] | None) 
 def _evaluate_source(
     model: Any, tokenizer: Any, source: tuple[str, Any], request: EvalRequest
 ) -> dict[str, Any]:
-    from lmforge.evaluate.accuracy import answer_accuracy
+    from lmforge.evaluate.accuracy import score_answers
+    from lmforge.evaluate.generation import chat_messages, generate_answers
     from lmforge.evaluate.perplexity import answer_perplexity, text_perplexity
 
     kind, content = source
@@ -125,20 +143,53 @@ def _evaluate_source(
         block_size = min(TEXT_BLOCK_SIZE, _position_limit(model))
         result = text_perplexity(model, tokenizer, content, block_size=block_size, limit=request.limit)
         return {"kind": "text", **result}
-    accuracy = answer_accuracy(
+    replies = generate_answers(
         model,
         tokenizer,
-        content,
-        scoring=request.scoring,
+        [chat_messages(row["question"]) for row in content],
         max_new_tokens=request.max_new_tokens,
         batch_size=request.batch_size,
     )
+    answers = [row["answer"] for row in content]
     answer_ppl = answer_perplexity(model, tokenizer, content, batch_size=request.batch_size)
     return {
         "kind": "qa",
-        **accuracy,
+        **score_answers(content, replies, request.scoring),
         "answer_perplexity": answer_ppl["perplexity"],
         "answer_tokens": answer_ppl["tokens"],
+        "generation_quality": _quality(replies, answers, request) if replies else None,
+    }
+
+
+def _quality(predictions: list[str], references: list[str], request: EvalRequest) -> dict[str, float]:
+    return generation_quality(predictions, references, bertscore_model=request.bertscore_model)
+
+
+def _run_eval_generations(model: Any, tokenizer: Any, dataset: Any, request: EvalRequest) -> dict[str, Any]:
+    """Greedy completions of the run's eval prompts (`--limit` of them, else all) scored against
+    the answers the rows carry: what the eval steps of training measured on a few of them."""
+    from lmforge.evaluate.accuracy import EXAMPLES_SHOWN
+    from lmforge.evaluate.samples import complete_prompts, sample_prompts
+
+    count = request.limit if request.limit is not None else len(dataset)
+    prompts = sample_prompts(dataset, tokenizer, count, reference_tokens=request.max_new_tokens)
+    samples = complete_prompts(
+        model, tokenizer, prompts, request.max_new_tokens, batch_size=request.batch_size
+    )
+    scored = [s for s in samples if s.reference is not None]
+    quality = (
+        _quality([s.completion for s in scored], [s.reference or "" for s in scored], request)
+        if scored
+        else None
+    )
+    examples = [
+        {"prompt": s.prompt, "expected": s.reference, "got": s.completion} for s in samples[:EXAMPLES_SHOWN]
+    ]
+    return {
+        "prompts": len(samples),
+        "scored": len(scored),
+        "generation_quality": quality,
+        "examples": examples,
     }
 
 
@@ -187,6 +238,12 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             if run_eval is None
             else f"run eval data: perplexity {_number(run_eval['perplexity'])} over {run_eval['tokens']} tokens"
         )
+    generations = summary.get("run_eval_generations")
+    if generations is not None:
+        lines.append(
+            f"run eval data: generation quality over {generations['scored']} of {generations['prompts']} "
+            f"prompts: {quality_line(generations['generation_quality'])}"
+        )
     for path, result in summary["data"].items():
         if result["kind"] == "text":
             lines.append(f"{path}: perplexity {_number(result['perplexity'])} over {result['tokens']} tokens")
@@ -195,6 +252,7 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             f"{path}: accuracy {_number(result['accuracy'])} ({result['correct']}/{result['total']}, "
             f"{result['scoring']}); answer perplexity {_number(result['answer_perplexity'])}"
         )
+        lines.append(f"  generation quality: {quality_line(result.get('generation_quality'))}")
         for example in result["examples"]:
             mark = "ok " if example["correct"] else "BAD"
             lines.append(
@@ -204,6 +262,17 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     for task, metrics in summary.get("tasks", {}).items():
         lines.append(f"{task}: {json.dumps(json_safe(metrics), default=str)}")
     return lines
+
+
+def quality_line(quality: dict[str, float] | None) -> str:
+    """ "BLEU 12.34, chrF 40.10, ..." (0-100 scales), or "none" when nothing had a reference."""
+    if not quality:
+        return "none (no reference answers)"
+    return ", ".join(f"{QUALITY_LABELS.get(k, k)} {_score(v)}" for k, v in quality.items())
+
+
+def _score(value: float | None) -> str:
+    return "n/a" if value is None or not math.isfinite(value) else f"{value:.2f}"
 
 
 def _number(value: float | None) -> str:

@@ -1,5 +1,6 @@
-"""A few greedy generations of a trained model on prompts taken from its own data: what the
-W&B and MLflow sinks publish with a finished run (monitor/run_artifacts.py).
+"""Greedy generations of a model on prompts taken from its own data: what the W&B and MLflow
+sinks publish with a finished run (monitor/run_artifacts.py), what each eval step shows and scores
+during training (train/eval_generations.py), and what `lmforge eval` scores on a run's eval data.
 
 Prompts by stage: pretrain, the first tokens of a block (the next tokens are the reference);
 sft, a sample's tokens before its first supervised token (the reply is the reference); dpo / kto,
@@ -26,27 +27,49 @@ def sample_generations(model_dir: Path, dataset: Any, count: int = SAMPLE_COUNT)
     """Greedy completions of the first `count` prompts of `dataset` by the model in `model_dir`."""
     import torch
 
-    from lmforge.data.chat import stop_token_ids
-    from lmforge.evaluate.generation import generation_kwargs, until_stop
     from lmforge.evaluate.loading import load_for_inference
 
     model, tokenizer = load_for_inference(model_dir)
     prompts = sample_prompts(dataset, tokenizer, count)
     if not prompts:
         raise ValueError("the data holds no row to prompt with")
+    try:
+        return complete_prompts(model, tokenizer, prompts, MAX_NEW_TOKENS)
+    finally:
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the copy loaded for sampling gives its memory back
+
+
+def complete_prompts(
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[tuple[list[int], str | None]],
+    max_new_tokens: int,
+    *,
+    batch_size: int = 1,
+) -> list[Sample]:
+    """Greedy completions of `sample_prompts`' (ids, reference) pairs, as redacted `Sample`s.
+
+    Batches are left-padded so that every completion starts at the same position; `batch_size=1`
+    (the default) generates each prompt alone, exactly as a user's single request would."""
+    import torch
+
+    from lmforge.data.chat import stop_token_ids
+    from lmforge.evaluate.generation import generation_kwargs, until_stop
+
     stops = stop_token_ids(tokenizer) | {tokenizer.pad_token_id}
     generate: Any = model.generate  # typed upstream as a Tensor attribute
     samples = []
-    try:
-        with torch.inference_mode():
-            for ids, reference in prompts:
-                input_ids = torch.tensor([ids], device=model.device)
-                output = generate(
-                    input_ids=input_ids,
-                    attention_mask=torch.ones_like(input_ids),
-                    **generation_kwargs(tokenizer, MAX_NEW_TOKENS),
-                )
-                new = until_stop(output[0, len(ids) :].tolist(), stops)
+    with torch.inference_mode():
+        for start in range(0, len(prompts), batch_size):
+            batch = prompts[start : start + batch_size]
+            input_ids, mask = _left_padded([ids for ids, _ in batch], tokenizer.pad_token_id, model.device)
+            output = generate(
+                input_ids=input_ids, attention_mask=mask, **generation_kwargs(tokenizer, max_new_tokens)
+            )
+            for (ids, reference), row in zip(batch, output[:, input_ids.shape[1] :].tolist(), strict=True):
+                new = until_stop(row, stops)
                 samples.append(
                     Sample(
                         prompt=redact_text(str(tokenizer.decode(ids))),
@@ -54,19 +77,29 @@ def sample_generations(model_dir: Path, dataset: Any, count: int = SAMPLE_COUNT)
                         reference=redact_text(reference) if reference is not None else None,
                     )
                 )
-    finally:
-        del model
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # the copy loaded for sampling gives its memory back
     return samples
 
 
+def _left_padded(rows: list[list[int]], pad_id: int, device: Any) -> tuple[Any, Any]:
+    """(input_ids, attention_mask) of `rows` padded on the left to the longest."""
+    import torch
+
+    longest = max(len(ids) for ids in rows)
+    input_ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), longest), dtype=torch.long)
+    for i, ids in enumerate(rows):
+        input_ids[i, longest - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        mask[i, longest - len(ids) :] = 1
+    return input_ids.to(device), mask.to(device)
+
+
 def sample_prompts(
-    dataset: Any, tokenizer: PreTrainedTokenizerBase, count: int
+    dataset: Any, tokenizer: PreTrainedTokenizerBase, count: int, *, reference_tokens: int = MAX_NEW_TOKENS
 ) -> list[tuple[list[int], str | None]]:
     """(prompt token ids, reference text or None) for the first `count` rows of a training or eval
     dataset of any stage: token rows (pretrain blocks, SFT samples or packed rows) or TRL's
-    conversational rows (dpo, kto)."""
+    conversational rows (dpo, kto). A pretraining block's reference is its next `reference_tokens`
+    tokens (as many as a completion may have, so that a perfect one matches it)."""
     prompts: list[tuple[list[int], str | None]] = []
     for index in range(len(dataset)):
         item = dataset[index]
@@ -77,14 +110,14 @@ def sample_prompts(
             pieces = (
                 list(zip(ids, labels, strict=True)) if ids and isinstance(ids[0], list) else [(ids, labels)]
             )
-            prompts.extend(_token_prompt(i, lab, tokenizer) for i, lab in pieces)
+            prompts.extend(_token_prompt(i, lab, tokenizer, reference_tokens) for i, lab in pieces)
         if len(prompts) >= count:
             break
     return [p for p in prompts if p[0]][:count]
 
 
 def _token_prompt(
-    ids: list[int], labels: list[int], tokenizer: PreTrainedTokenizerBase
+    ids: list[int], labels: list[int], tokenizer: PreTrainedTokenizerBase, reference_tokens: int
 ) -> tuple[list[int], str | None]:
     """A prompt masked out of the loss (SFT) ends where supervision starts; the reply is the
     reference. A row supervised throughout (pretraining) is cut after its first tokens."""
@@ -93,7 +126,7 @@ def _token_prompt(
         end = next((i for i in range(first, len(labels)) if labels[i] == -100), len(labels))
         return ids[:first], str(tokenizer.decode(ids[first:end], skip_special_tokens=True))
     cut = min(PROMPT_TOKENS, max(1, len(ids) // 2))
-    reference = ids[cut : cut + MAX_NEW_TOKENS]
+    reference = ids[cut : cut + reference_tokens]
     return ids[:cut], str(tokenizer.decode(reference, skip_special_tokens=True)) if reference else None
 
 

@@ -15,22 +15,7 @@ class MetricsLog:
 
     def truncate_after(self, step: int) -> int:
         """Drop records logged after `step` (a resume from step-N repeats them); returns how many."""
-        if not self.path.exists():
-            return 0
-        kept, dropped = [], 0
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                dropped += 1  # a line torn by a crash mid-write
-                continue
-            if record.get("step", 0) <= step:
-                kept.append(line)
-            else:
-                dropped += 1
-        self.path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+        dropped = drop_records_after(self.path, step)
         self.last_step = self._last_step_on_disk()
         return dropped
 
@@ -64,6 +49,32 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
     return records
+
+
+def drop_records_after(path: Path, step: int) -> int:
+    """Keep the lines of a per-step JSON-lines file up to `step` (a resume from step-N repeats
+    the steps after it); torn lines go too. Returns how many lines were dropped."""
+    if not path.exists():
+        return 0
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line torn by a crash mid-write
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line)
+    if len(kept) < len(lines):
+        path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+    return len(lines) - len(kept)
+
+
+def read_step_records(path: Path) -> list[dict[str, Any]]:
+    """The records of a per-step JSON-lines file (metrics.jsonl, eval_samples.jsonl,
+    histograms.jsonl) that carry an integer step, in file order; torn or foreign lines are
+    skipped, so a reader never fails on a file a crash cut short."""
+    return [r for r in read_metrics(path) if isinstance(r, dict) and isinstance(r.get("step"), int)]
 
 
 def _json_safe(record: dict[str, Any]) -> dict[str, Any]:

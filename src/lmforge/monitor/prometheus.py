@@ -54,6 +54,14 @@ METRICS: tuple[Exported, ...] = (
     Exported("epoch", "lmforge_epoch", "Fractional epoch."),
     Exported("loss_rank_max", "lmforge_loss_rank_max", "Highest per-rank loss of the step."),
     Exported("straggler", "lmforge_straggler", "Slowest rank's step time over the median (1 = even)."),
+    # CommTiming.take_window() keys (lmforge.distributed.comm_timing), distributed runs:
+    Exported("comm_share", "lmforge_comm_share", "Share of step time with a collective in flight (0..1)."),
+    Exported("comm_s", "lmforge_comm_seconds", "Seconds per step with any collective in flight."),
+    Exported("comm_all_reduce_s", "lmforge_comm_all_reduce_seconds", "Seconds per step in all-reduce."),
+    Exported(
+        "comm_reduce_scatter_s", "lmforge_comm_reduce_scatter_seconds", "Seconds per step in reduce-scatter."
+    ),
+    Exported("comm_all_gather_s", "lmforge_comm_all_gather_seconds", "Seconds per step in all-gather."),
     Exported("rss_gb", "lmforge_rss_bytes", "Resident memory of the training process.", GB),
     Exported(
         "gpu_mem_allocated_gb", "lmforge_gpu_memory_allocated_bytes", "torch CUDA memory allocated.", GB

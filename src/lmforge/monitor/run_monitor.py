@@ -19,13 +19,15 @@ from lmforge.config.schema import MonitorConfig
 from lmforge.monitor.alerts import AlertSender, alerts_configured
 from lmforge.monitor.events import EventLog
 from lmforge.monitor.prometheus import PrometheusExporter
-from lmforge.monitor.sinks import RunPublisher, Sink, WandbSink, open_sinks
+from lmforge.monitor.sinks import RunPublisher, SampleSink, Sink, WandbSink, open_sinks
 from lmforge.monitor.system import SystemSampler
 from lmforge.run_layout import RunPaths
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from lmforge.data.run_data import RunData
-    from lmforge.monitor.run_artifacts import SampleGenerator
+    from lmforge.monitor.run_artifacts import Sample, SampleGenerator
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,33 @@ class RunMonitor:
         if self.exporter is not None and sample:
             self.exporter.update(sample)
         return sample
+
+    def log_histograms(self, step: int, values: dict[str, np.ndarray]) -> int:
+        """Histograms (tag -> a 1-D sample of values) to each sink that draws them (TensorBoard);
+        how many sinks took them. A failing sink is a warning: histograms never stop a run."""
+        taken = 0
+        for sink in self.sinks:
+            write = getattr(sink, "log_histograms", None)
+            if write is None:
+                continue
+            try:
+                write(step, values)
+            except Exception as err:
+                log.warning("%s: writing the histograms of step %d failed: %s", sink.name, step, err)
+            else:
+                taken += 1
+        return taken
+
+    def log_samples(self, step: int, samples: list[Sample]) -> None:
+        """Show an eval step's generations in every sink that shows them (rank 0). Never raises:
+        a sink that fails is a warning, and training goes on."""
+        for sink in self.sinks:
+            if not isinstance(sink, SampleSink):
+                continue
+            try:
+                sink.log_samples(step, samples)
+            except Exception as err:
+                log.warning("%s: logging the eval samples of step %d failed: %s", sink.name, step, err)
 
     def publish_run(
         self,

@@ -14,10 +14,12 @@ sample generations and summary (sink_publish.py).
 from __future__ import annotations
 
 import contextlib
+import html
 import json
 import logging
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -29,14 +31,23 @@ from lmforge.monitor.sink_step_axis import STATE_FILE, StepAxisSink
 from lmforge.run_layout import RunPaths
 
 if TYPE_CHECKING:
-    from lmforge.monitor.run_artifacts import FinishedRun
+    import numpy as np
+
+    from lmforge.monitor.run_artifacts import FinishedRun, Sample
 
 log = logging.getLogger(__name__)
 TENSORBOARD_FLUSH_SECONDS = 5.0  # how stale the TensorBoard view may get between flushes
 DEFAULT_PROJECT = "lmforge"
 SINK_LOGGERS = ("wandb", "mlflow", "swanlab")
-_EXTRA = {"wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab", "tensorboard": "tensorboard"}
+# pip requirement that brings each sink's library back (SwanLab and TensorBoard are in the default install).
+_INSTALL = {
+    "wandb": "'lmforge[wandb]'",
+    "mlflow": "'lmforge[mlflow]'",
+    "swanlab": "'swanlab>=0.10' 'protobuf<7'",
+    "tensorboard": "tensorboard",
+}
 _MODULE = {"wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab", "tensorboard": "tensorboard"}
+SAMPLES_KEY = "eval_samples"  # where each sink shows the eval steps' generations
 
 
 class Sink(Protocol):
@@ -55,6 +66,16 @@ class RunPublisher(Protocol):
     name: str
 
     def publish_run(self, run: FinishedRun) -> None: ...
+
+
+@runtime_checkable
+class SampleSink(Protocol):
+    """A sink that shows the greedy completions of eval prompts made at an eval step (rank 0).
+    May raise; the caller reports it and training goes on."""
+
+    name: str
+
+    def log_samples(self, step: int, samples: list[Sample]) -> None: ...
 
 
 def open_sinks(
@@ -98,7 +119,7 @@ def _require(name: str) -> None:
     if importlib.util.find_spec(_MODULE[name]) is None:
         raise UserInputError(
             f"monitor.loggers: '{name}' needs the {name} package; install it with "
-            f"`pip install 'lmforge[{_EXTRA[name]}]'` or remove {name} from monitor.loggers"
+            f"`pip install {_INSTALL[name]}` or remove {name} from monitor.loggers"
         )
 
 
@@ -130,6 +151,21 @@ class TensorBoardSink(StepAxisSink):
         self._writer.flush()
         self._flushed_at = time.monotonic()
         return True
+
+    def log_histograms(self, step: int, values: dict[str, np.ndarray]) -> None:
+        """One histogram per tag (a 1-D sample of a tensor's values) at `step`; a step that a
+        resumed run replays after its checkpoint is not drawn twice."""
+        if self._closed or (self._floor is not None and step <= self._floor):
+            return
+        for tag, samples in values.items():
+            self._writer.add_histogram(tag, samples, step)
+
+    def log_samples(self, step: int, samples: list[Sample]) -> None:
+        """The samples as one markdown table (TensorBoard's text tab) under `eval_samples`."""
+        if self._closed or (self._floor is not None and step <= self._floor):
+            return
+        self._writer.add_text(SAMPLES_KEY, samples_markdown(samples), step)
+        self._writer.flush()  # an eval step is rare: its samples show at once
 
     def _finish(self) -> None:
         self._writer.close()
@@ -170,6 +206,16 @@ class WandbSink(StepAxisSink):
     def _write(self, step: int, values: dict[str, float]) -> bool:
         self._run.log(values, step=step)
         return True
+
+    def log_samples(self, step: int, samples: list[Sample]) -> None:
+        """A `wandb.Table` (step, prompt, completion, reference) under `eval_samples` at `step`."""
+        import wandb
+
+        if self._closed or (self._floor is not None and step <= self._floor):
+            return
+        rows = [[step, s.prompt, s.completion, s.reference] for s in samples]
+        table = wandb.Table(columns=["step", "prompt", "completion", "reference"], data=rows)
+        self._run.log({SAMPLES_KEY: table}, step=step)
 
     def publish_run(self, run: FinishedRun) -> None:
         """Dataset and model artifacts (with their lineage), the generations table and the summary."""
@@ -260,6 +306,18 @@ class MlflowSink(StepAxisSink):
         self.client.log_batch(self._id, metrics=metrics)
         return True
 
+    def log_samples(self, step: int, samples: list[Sample]) -> None:
+        """An MLflow table artifact per eval step: eval_samples/step-<step>.json."""
+        if self._closed or (self._floor is not None and step <= self._floor):
+            return
+        table = {
+            "step": [step] * len(samples),
+            "prompt": [s.prompt for s in samples],
+            "completion": [s.completion for s in samples],
+            "reference": [s.reference for s in samples],
+        }
+        self.client.log_table(self._id, table, f"{SAMPLES_KEY}/step-{step}.json")
+
     def publish_run(self, run: FinishedRun) -> None:
         """Dataset input, data report, generations table, summary and a LoggedModel of final/."""
         from lmforge.monitor.sink_publish import publish_mlflow
@@ -304,8 +362,39 @@ class SwanlabSink(StepAxisSink):
         self._run.log(values, step=step)
         return True
 
+    def log_samples(self, step: int, samples: list[Sample]) -> None:
+        """One `swanlab.Text` per sample under `eval_samples` at `step`."""
+        import swanlab
+
+        if self._closed or (self._floor is not None and step <= self._floor):
+            return
+        texts = [swanlab.Text(_sample_text(s), caption=f"step {step}") for s in samples]
+        self._run.log({SAMPLES_KEY: texts}, step=step)
+
     def _finish(self) -> None:
         self._run.finish()
+
+
+def samples_markdown(samples: list[Sample]) -> str:
+    """A markdown table of samples whose cells show the text as written: HTML and markdown
+    characters escaped, newlines as line breaks."""
+    rows = ["| prompt | completion | reference |", "|---|---|---|"]
+    for s in samples:
+        cells = (s.prompt, s.completion, "" if s.reference is None else s.reference)
+        rows.append("| " + " | ".join(_markdown_cell(text) for text in cells) + " |")
+    return "\n".join(rows)
+
+
+def _markdown_cell(text: str) -> str:
+    """Markdown's escapable characters (Python-Markdown's, with the table's |) backslashed, then
+    HTML's: the cell renders the text, never markup or a link from it."""
+    escaped = html.escape(re.sub(r"([\\`*_{}\[\]()#+\-.!|])", r"\\\1", text), quote=False)
+    return escaped.replace("\r\n", "\n").replace("\n", "<br>")
+
+
+def _sample_text(sample: Sample) -> str:
+    reference = "" if sample.reference is None else f"\n\nreference: {sample.reference}"
+    return f"prompt: {sample.prompt}\n\ncompletion: {sample.completion}{reference}"
 
 
 def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:

@@ -10,6 +10,7 @@ import numpy as np
 
 from lmforge.config.dotted import flatten
 from lmforge.config.schema import DistributedConfig, ModelConfig, TrainConfig
+from lmforge.report.generation_section import generation_section
 from lmforge.report.html import (
     esc,
     fmt_duration,
@@ -22,7 +23,9 @@ from lmforge.report.html import (
     verdict,
 )
 from lmforge.report.load import RunSummary, estimated_step
+from lmforge.report.observability_sections import histograms_section, profile_section
 from lmforge.report.plots import EVENT_COLORS, PALETTE, Chart, Line, Marker, render_chart, render_histogram
+from lmforge.report.stage_metrics_section import stage_metrics_sections
 from lmforge.run_layout import RunPaths
 
 UNMARKED_KINDS = ("finished",)  # the end of the run is the end of the axis
@@ -42,9 +45,21 @@ CHARTS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     ("Model FLOPs utilisation", "mfu", (("mfu", "MFU"),)),
     ("Memory, GB", "memory", tuple((key, key.removesuffix("_gb")) for key in MEMORY_KEYS)),
     ("Share of wall time waiting for data", "data_wait_share", (("data_wait_share", "data wait"),)),
+    ("Communication, share of step time", "comm_share", (("comm_share", "any collective"),)),
+    (
+        "Communication, seconds per step",
+        "comm_s",
+        (
+            ("comm_s", "any collective"),
+            ("comm_all_reduce_s", "all-reduce"),
+            ("comm_reduce_scatter_s", "reduce-scatter"),
+            ("comm_all_gather_s", "all-gather"),
+        ),
+    ),
 )
 SPARSE_KEYS = ("eval_loss", "eval_ppl")
-LINEAR_METRICS = ("mfu", "data_wait_share")
+OPTIONAL_CHARTS = ("comm_share", "comm_s")
+LINEAR_METRICS = ("mfu", "data_wait_share", "comm_share")
 
 
 def render_run(run: RunSummary) -> str:
@@ -64,6 +79,10 @@ def render_run(run: RunSummary) -> str:
         checkpoints_section(run),
         "<h2>Export</h2>",
         export_section(run.export),
+        generation_section(run),
+        stage_metrics_sections(run),
+        profile_section(run.root),
+        histograms_section(run.root),
         "<h2>Resolved config</h2>",
         f'<pre class="config">{esc(run.config_text) or "(no config.yaml)"}</pre>',
         "<h2>Environment</h2>",
@@ -109,6 +128,8 @@ def curves(run: RunSummary) -> str:
     ]
     charts = []
     for title, metric, keys in CHARTS:
+        if metric in OPTIONAL_CHARTS and not any(key in run.series for key, _ in keys):
+            continue  # recorded by some runs only (communication: distributed runs)
         lines = [
             Line(label, run.series[key].steps, run.series[key].values, PALETTE[i], dots=key in SPARSE_KEYS)
             for i, (key, label) in enumerate(keys)

@@ -9,6 +9,7 @@ from transformers import TrainingArguments
 
 from lmforge.config.schema import TrainConfig, lower_is_better
 from lmforge.run_layout import RunPaths
+from lmforge.verbosity import is_verbose
 
 # Arguments an engine or a stage may set to another value than lmforge's base, and why. Any
 # other clash is a bug (two places deciding one setting), raised rather than resolved by order.
@@ -70,7 +71,8 @@ def build_training_arguments(
         # lmforge's datasets and collators produce exactly the model's inputs; HF's column
         # filter would only drop the packed rows' position_ids on some architectures.
         remove_unused_columns=False,
-        disable_tqdm=False,
+        # HF's tqdm bars and raw log dicts make way for train/console_progress.py unless --verbose.
+        disable_tqdm=not is_verbose(),
         **_early_stopping_arguments(cfg),
     )
     for source, extra in (("engine", engine_args or {}), ("stage", stage_args or {})):

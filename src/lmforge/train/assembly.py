@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import PrinterCallback
 
 from lmforge.ckpt.atomic import CheckpointStatus
 from lmforge.config import LmforgeConfig
@@ -25,8 +26,14 @@ from lmforge.train.callbacks import (
     ShardReport,
     StopAtTheEnd,
 )
+from lmforge.train.comm_callback import comm_timing
+from lmforge.train.console_progress import ConsoleProgress
+from lmforge.train.eval_generations import eval_generations_callbacks
 from lmforge.train.guard_callback import GuardCallback
+from lmforge.train.histograms import HistogramCallback
+from lmforge.train.profiling import ProfileCallback
 from lmforge.train.stages import build_stage_trainer
+from lmforge.verbosity import is_verbose
 
 
 class _FinalStepCallback(TrainerCallback):
@@ -73,20 +80,31 @@ def assemble_trainer(
     """The stage's HF / TRL trainer with lmforge's callbacks, in the order they must run."""
     has_eval = data.eval is not None and len(data.eval) > 0  # type: ignore[arg-type]
     watched = cfg.monitor.enabled
+    comm = comm_timing(cfg.monitor, plan.engine, plan.world.size)  # None unless distributed and watched
+    comm_record = comm.take_window if comm is not None else dict
+    metrics_callback = MetricsCallback(
+        metrics,
+        step_record=(
+            lambda logs, window: {
+                **guard.extra_metrics(logs, window),
+                **monitor.system_metrics(),
+                **comm_record(),
+            }
+        )
+        if watched
+        else (lambda logs, window: guard.step.record(logs, window, guarded=False)),
+        language_model_loss=cfg.train.stage in ("pretrain", "sft"),
+        listeners=monitor.record_listeners(),
+    )
     callbacks: list[TrainerCallback] = [
         StopAtTheEnd(),
         *(
             [guard] if watched else []
         ),  # first: its on_save writes guard state before the checkpoint is sealed
-        MetricsCallback(
-            metrics,
-            step_record=(
-                lambda logs, window: {**guard.extra_metrics(logs, window), **monitor.system_metrics()}
-            )
-            if watched
-            else (lambda logs, window: guard.step.record(logs, window, guarded=False)),
-            language_model_loss=cfg.train.stage in ("pretrain", "sft"),
-            listeners=monitor.record_listeners(),
+        metrics_callback,
+        # Right after it: an eval step's record is open when the generations' scores join it.
+        *eval_generations_callbacks(
+            cfg, data, tokenizer, metrics=metrics_callback, monitor=monitor, paths=paths, plan=plan
         ),
         CheckpointCommitCallback(
             paths.staging,
@@ -105,10 +123,20 @@ def assemble_trainer(
             deepspeed_record=paths.deepspeed_config if plan.deepspeed is not None else None,
         ),
     ]
+    if comm is not None:
+        callbacks.append(comm)
+    if watched and cfg.monitor.histograms is not None:
+        callbacks.append(HistogramCallback(cfg.monitor.histograms, monitor, paths.histograms))
+    if watched and cfg.monitor.profile is not None:
+        callbacks.append(ProfileCallback(cfg.monitor.profile, paths, monitor.events))
     if cfg.train.early_stopping is not None:
         callbacks.append(_early_stopping(cfg, paths, monitor, has_eval=has_eval))
     if cfg.debug.crash_at_step is not None:
         callbacks.append(KillDrillCallback(guard.step.drills))
+    # Last: it prints the step's record once every other callback has added to it.
+    callbacks.append(
+        ConsoleProgress(cfg.train.stage, lambda: metrics_callback.pending, show=not is_verbose())
+    )
 
     def configure(args: TrainingArguments) -> None:
         # A fresh run measures where it starts; a resumed one already has that record.
@@ -127,6 +155,10 @@ def assemble_trainer(
         precision=plan.precision,
         engine_args=engine_arguments(plan, model, gradient_checkpointing=cfg.train.gradient_checkpointing),
     )
+    if comm is not None:
+        comm.watch(trainer)  # it hooks the engine's collectives once the Trainer has wrapped the model
+    if not is_verbose():
+        trainer.remove_callback(PrinterCallback)  # HF's print of raw log dicts (disable_tqdm adds it)
     # final/ is written in model.dtype whatever the engine trained in (DeepSpeed: a 16-bit copy).
     trainer.weights_dtype = DTYPES[cfg.model.dtype]  # type: ignore[attr-defined]
     return trainer

@@ -28,7 +28,7 @@ from lmforge.monitor.events import EventLog
 from lmforge.monitor.metrics import MetricsLog, read_metrics
 from lmforge.train.drills import Drills
 from lmforge.train.numerics import ThroughputMeter
-from lmforge.train.step import eval_record
+from lmforge.train.step import eval_record, group_learning_rates
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +58,18 @@ class MetricsCallback(TrainerCallback):
         self.meter = ThroughputMeter()
         self.pending: dict[str, Any] | None = None
         self.summary: dict[str, float] = {}
+        self.group_lrs: dict[str, float] = {}
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         self.meter.step_started(state.num_input_tokens_seen)
+
+    def on_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        # The rates this update used: HF reads `learning_rate` here too, before the scheduler steps.
+        self.group_lrs = group_learning_rates(kw.get("optimizer"))
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
@@ -92,6 +99,7 @@ class MetricsCallback(TrainerCallback):
             for key in ("loss", "learning_rate", "grad_norm", "epoch"):
                 if key in logs:
                     record[_RENAMED.get(key, key)] = logs[key]
+            record.update(self.group_lrs)
             record["tokens_seen"] = state.num_input_tokens_seen
             record.update(self.step_record(logs, self.meter.take_window()))
         self.pending = record
@@ -105,6 +113,13 @@ class MetricsCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         self.flush()
+
+    def add_to_step(self, step: int, values: dict[str, float]) -> None:
+        """Merge `values` into `step`'s record (a callback's figures for the step just evaluated);
+        the record is written when the step's other figures are."""
+        if self.pending is not None and self.pending["step"] != step:
+            self.flush()
+        self.pending = {**(self.pending or {"step": step}), **values}
 
     def flush(self) -> None:
         if self.pending is not None:

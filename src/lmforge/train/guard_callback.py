@@ -183,7 +183,12 @@ class GuardCallback(TrainerCallback):
 
 
 def build_train_step(
-    cfg: LmforgeConfig, model: Any, resume: Path | None, *, update_in_backward: bool = False
+    cfg: LmforgeConfig,
+    model: Any,
+    resume: Path | None,
+    *,
+    update_in_backward: bool = False,
+    precision: str = "fp32",
 ) -> TrainStep:
     """The run's step: its guardrails (state restored from `resume`; none when monitoring is off),
     drills and the constants its metrics need.
@@ -191,7 +196,8 @@ def build_train_step(
     `update_in_backward`: the engine applies each update inside backward (DeepSpeed), before
     the guard sees the step's gradient norm, so a bad step can be neither skipped nor rolled
     back in the process (the engine cannot be re-initialised): the run stops, and the newest
-    complete checkpoint is the last good state; the same launch command resumes from it."""
+    complete checkpoint is the last good state; the same launch command resumes from it.
+    `precision`: the resolved train.precision, whose matmul peak MFU is measured against."""
     settings = cfg.monitor.guard
     if update_in_backward:
         acting = {
@@ -213,6 +219,7 @@ def build_train_step(
         text.num_hidden_layers,
         text.hidden_size,
         cfg.data.max_length,
+        trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
     )
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     return TrainStep(
@@ -220,7 +227,7 @@ def build_train_step(
         Drills.from_config(cfg.debug),
         oom_backoff=cfg.monitor.enabled and settings.oom_backoff,
         flops_per_token=per_token,
-        peak_flops=peak_flops(device) if cfg.monitor.enabled else 0.0,
+        peak_flops=peak_flops(device, precision) if cfg.monitor.enabled else 0.0,
     )
 
 

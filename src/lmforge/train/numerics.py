@@ -117,38 +117,51 @@ GPU_PEAK_FLOPS = (
     ("V100", 125e12),
     ("T4", 65e12),
 )
-_cpu_peak: float | None = None
+_cpu_peaks: dict[torch.dtype, float] = {}
+# The matmul dtype each training precision runs its linear layers in (autocast on CPU and GPU).
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def flops_per_token(parameters: int, layers: int, hidden: int, seq_len: int) -> float:
-    """Training FLOPs per token (PaLM, appendix B): 6N for the weights plus 12 * L * d * T for
-    attention scores and values (d = heads x head_dim = hidden size)."""
-    return 6.0 * parameters + 12.0 * layers * hidden * seq_len
+def flops_per_token(
+    parameters: int, layers: int, hidden: int, seq_len: int, *, trainable: int | None = None
+) -> float:
+    """Training FLOPs per token (PaLM, appendix B), counted for the method that trains.
+
+    Each weight costs 2 FLOPs per token forward and 2 backward for the activation gradient;
+    the weight gradient (another 2) is computed only for trainable weights, so a full run
+    is 6N and a LoRA or freeze run is 4N + 2 * trainable. Attention scores and values add
+    12 * L * d * T (d = heads x head_dim = hidden size) either way: activations flow back
+    through every layer whatever is frozen. Recomputation under gradient checkpointing is
+    not counted (that is hardware FLOPs, not model FLOPs)."""
+    trained = parameters if trainable is None else trainable
+    return 4.0 * parameters + 2.0 * trained + 12.0 * layers * hidden * seq_len
 
 
-def peak_flops(device: torch.device) -> float:
-    """Peak FLOP/s of one device: the datasheet value for known GPUs, else a measured matmul peak."""
+def peak_flops(device: torch.device, precision: str = "fp32") -> float:
+    """Peak FLOP/s of one device: the datasheet value for known GPUs, else the measured matmul
+    peak of this CPU in the dtype the run computes in (bf16 runs about 3x fp32 on CPUs with
+    bf16 units, so an fp32 peak put a bf16 run's MFU above 1)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, value in GPU_PEAK_FLOPS:
             if key in name:
                 return value
-    return measured_matmul_flops()
+    return measured_matmul_flops(PRECISION_DTYPES.get(precision, torch.float32))
 
 
-def measured_matmul_flops(size: int = 1024, repeats: int = 5) -> float:
-    """Best-of-N fp32 matmul throughput on this CPU (measured once per process, ~0.2 s)."""
-    global _cpu_peak
-    if _cpu_peak is None:
-        a, b = torch.randn(size, size), torch.randn(size, size)
+def measured_matmul_flops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 8) -> float:
+    """Best-of-N matmul throughput on this CPU in `dtype` (measured once per process and dtype,
+    ~0.3 s). The best of several runs is the least disturbed by other work on the machine."""
+    if dtype not in _cpu_peaks:
+        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
         torch.mm(a, b)  # warm-up
         best = math.inf
         for _ in range(repeats):
             start = time.perf_counter()
             torch.mm(a, b)
             best = min(best, time.perf_counter() - start)
-        _cpu_peak = 2 * size**3 / best
-    return _cpu_peak
+        _cpu_peaks[dtype] = 2 * size**3 / best
+    return _cpu_peaks[dtype]
 
 
 def mfu(tokens_per_s: float, flops_per_tok: float, peak: float, devices: int) -> float:

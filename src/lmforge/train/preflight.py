@@ -6,6 +6,7 @@ from __future__ import annotations
 from lmforge.config import LmforgeConfig
 from lmforge.models.methods import check_attention_runs_here, check_method_runs_here
 from lmforge.monitor.sinks import require_sink_packages
+from lmforge.train.eval_generations import require_eval_generation_packages
 from lmforge.upstream import check_upstream_versions
 
 
@@ -15,4 +16,5 @@ def check_runs_here(cfg: LmforgeConfig) -> None:
     check_method_runs_here(cfg.train)  # qlora without CUDA + bitsandbytes
     check_attention_runs_here(cfg.model)  # flash_attention_2 without CUDA + flash-attn
     require_sink_packages(cfg.monitor)  # a selected logger whose extra is not installed
+    require_eval_generation_packages(cfg.monitor)  # BERTScore without the bertscore extra
     check_upstream_versions()

@@ -1,44 +1,22 @@
-"""<run>/train.log: every log record of the run at full detail, with the upstream deprecation
-warnings that the console leaves out.
+"""<run>/train.log: every log record of the run at full detail, with the upstream notices
+that the console leaves out (lmforge/verbosity.py says which).
 
 A DeepSpeed ZeRO-3 run on CPU printed about 1,900 `FutureWarning` lines (torch.distributed's
 renamed collectives, transformers' renamed arguments) that a user cannot act on. Python warnings
-are routed through logging; FutureWarning and DeprecationWarning go to train.log only (each
-distinct message once, with a count at the end), everything else still reaches the console.
+are routed through logging; train.log gets each distinct warning once (with a count at the end).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from lmforge.run_layout import RunPaths
+from lmforge.verbosity import DEPRECATIONS, QUIET_CONSOLE, message_category, warning_category
 
 log = logging.getLogger(__name__)
-
-# How logging.captureWarnings formats a warning: "<file>:<line>: <Category>: <message>".
-_CATEGORY = re.compile(r":\d+: (\w+): ")
-_QUIET_CATEGORIES = ("FutureWarning", "DeprecationWarning", "PendingDeprecationWarning")
-
-
-def _category_of(message: str) -> str | None:
-    found = _CATEGORY.search(message)
-    return found.group(1) if found else None
-
-
-def _category(record: logging.LogRecord) -> str | None:
-    """The warning category of a record logging.captureWarnings made (None for any other record)."""
-    return _category_of(record.getMessage()) if record.name == "py.warnings" else None
-
-
-class _NoDeprecations(logging.Filter):
-    """Console: upstream deprecation notices stay out (they are in train.log)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return _category(record) not in _QUIET_CATEGORIES
 
 
 class _OncePerMessage(logging.Filter):
@@ -49,7 +27,7 @@ class _OncePerMessage(logging.Filter):
         self.seen: Counter[str] = Counter()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if _category(record) is None:
+        if warning_category(record) is None:
             return True
         key = record.getMessage()
         self.seen[key] += 1
@@ -59,12 +37,12 @@ class _OncePerMessage(logging.Filter):
 @contextmanager
 def run_log(paths: RunPaths, *, is_main: bool) -> Iterator[None]:
     """While training: Python warnings go through logging; rank 0 writes train.log (appended to
-    on a resume), and no rank's console shows deprecation warnings."""
+    on a resume), and no rank's console shows upstream notices without an action."""
     root = logging.getLogger()
-    console_filter = _NoDeprecations()
-    consoles = list(root.handlers)
+    # The command line already filters its console; a run started from Python gets the filter here.
+    consoles = [handler for handler in root.handlers if QUIET_CONSOLE not in handler.filters]
     for handler in consoles:
-        handler.addFilter(console_filter)
+        handler.addFilter(QUIET_CONSOLE)
     file_handler: logging.FileHandler | None = None
     once = _OncePerMessage()
     if is_main:
@@ -77,7 +55,7 @@ def run_log(paths: RunPaths, *, is_main: bool) -> Iterator[None]:
         yield
     finally:
         logging.captureWarnings(False)
-        quiet = {m: n for m, n in once.seen.items() if _category_of(m) in _QUIET_CATEGORIES}
+        quiet = {m: n for m, n in once.seen.items() if message_category(m) in DEPRECATIONS}
         if quiet:
             log.info(
                 "%d upstream deprecation warning(s), %d distinct, are in %s (not on the console)",
@@ -86,7 +64,7 @@ def run_log(paths: RunPaths, *, is_main: bool) -> Iterator[None]:
                 paths.log_file,
             )
         for handler in consoles:
-            handler.removeFilter(console_filter)
+            handler.removeFilter(QUIET_CONSOLE)
         if file_handler is not None:
             root.removeHandler(file_handler)
             file_handler.close()

@@ -48,6 +48,8 @@ from lmforge.train.run_log import run_log
 from lmforge.train.run_setup import RunSetup, clear_partial_writes, set_up_run
 from lmforge.train.rundir import make_run_dir
 from lmforge.train.stages import needs_reference_model
+from lmforge.upstream import quiet_progress_bars, route_deepspeed_logs
+from lmforge.verbosity import is_verbose
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,9 @@ def _train_run(
     extra_callbacks: list[TrainerCallback],
     after_run: Callable[[Path], None],
 ) -> TrainOutcome:
+    if not is_verbose():
+        route_deepspeed_logs()  # DeepSpeed's own lines: train.log, and the console when they matter
+        quiet_progress_bars()
     world = plan.world
     start = setup.start
     resume = start.resume
@@ -141,7 +146,11 @@ def _train_run(
     )
     events = monitor.events
     step = build_train_step(
-        cfg, model, resume.path if resume else None, update_in_backward=plan.engine == "deepspeed"
+        cfg,
+        model,
+        resume.path if resume else None,
+        update_in_backward=plan.engine == "deepspeed",
+        precision=plan.precision,
     )
     guard = GuardCallback(
         step,

@@ -1,0 +1,80 @@
+"""What the console shows: lmforge's own lines and upstream warnings a user can act on.
+
+A short CPU run used to print HF Trainer's raw log dicts, nested tqdm bars for eval inside the
+training bar, INFO lines of gguf / onnxscript / DeepSpeed and warnings nobody can act on. By
+default the console gets lmforge's records and upstream WARNING-or-worse records that say
+something actionable; everything still reaches `<run>/train.log` (its handler has no such
+filter). `--verbose` (the LMFORGE_VERBOSE environment variable, so that `lmforge launch`
+workers and sweep trials inherit it) restores the raw upstream output.
+
+A leaf module: imports no lmforge package.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+VERBOSE_ENV = "LMFORGE_VERBOSE"
+# A record logged with extra={FILE_ONLY: True} is for train.log alone (HF's raw log dicts, which
+# the console shows as a formatted line instead, or, with --verbose, as HF prints them).
+FILE_ONLY = "lmforge_file_only"
+
+# Upstream warnings that carry no action for an lmforge user, each with why.
+ACTIONLESS = (
+    # DeepSpeed on a machine without a GPU: CPU is the expected accelerator there.
+    re.compile(r"Setting accelerator to CPU"),
+    # PEFT on a model with tied embeddings: lmforge merges adapters itself and verifies every
+    # export against the trained model, so the "complications" PEFT warns about are checked.
+    re.compile(r"tied layer is part of the adapter"),
+    re.compile(r"embeddings are no longer tied after merging"),
+)
+# How logging.captureWarnings formats a warning: "<file>:<line>: <Category>: <message>".
+_CATEGORY = re.compile(r":\d+: (\w+): ")
+DEPRECATIONS = ("FutureWarning", "DeprecationWarning", "PendingDeprecationWarning")
+
+
+def is_verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+def set_verbose(verbose: bool) -> None:
+    """Record the choice where child processes (launch workers, sweep trials) inherit it."""
+    if verbose:
+        os.environ[VERBOSE_ENV] = "1"
+
+
+def message_category(message: str) -> str | None:
+    """The category in a message logging.captureWarnings formatted ("FutureWarning", ...)."""
+    found = _CATEGORY.search(message)
+    return found.group(1) if found else None
+
+
+def warning_category(record: logging.LogRecord) -> str | None:
+    """The warning category of a record logging.captureWarnings made (None for any other record)."""
+    return message_category(record.getMessage()) if record.name == "py.warnings" else None
+
+
+class QuietConsole(logging.Filter):
+    """The console handler's filter: lmforge's own records pass; upstream records pass at
+    WARNING or worse unless they are deprecation notices or in ACTIONLESS; records marked
+    FILE_ONLY never pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, FILE_ONLY, False):
+            return False
+        if is_verbose():
+            return True
+        if record.name.startswith("lmforge") or record.name == "__main__":
+            return True
+        category = warning_category(record)
+        if category in DEPRECATIONS:
+            return False
+        if category is None and record.levelno < logging.WARNING:
+            return False
+        message = record.getMessage()
+        return not any(pattern.search(message) for pattern in ACTIONLESS)
+
+
+QUIET_CONSOLE = QuietConsole()  # one instance: adding it to a handler twice is a no-op
