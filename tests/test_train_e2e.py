@@ -298,6 +298,8 @@ def test_quickstart_runs_offline_and_says_where_everything_is(tmp_path: Path) ->
         report = tmp_path / "qs" / name / "report.html"
         assert report.is_file() and str(report) in result.stdout
         assert "<svg" in report.read_text()
+        # The engine the run used, not the config's defaults (auto, ZeRO-2): one process.
+        assert "<th>strategy</th><td>single process on CPU" in report.read_text()
     _console_is_quiet_and_train_log_is_whole(result, tmp_path / "qs")
     # MFU counts the method's FLOPs (LoRA: no weight gradients for frozen weights) against the
     # peak of the precision that trains (bf16 on this CPU); it never passes 1.
