@@ -19,7 +19,7 @@ from lmforge.config.schema import MonitorConfig
 from lmforge.monitor.alerts import AlertSender, alerts_configured
 from lmforge.monitor.events import EventLog
 from lmforge.monitor.prometheus import PrometheusExporter
-from lmforge.monitor.sinks import RunPublisher, SampleSink, Sink, WandbSink, open_sinks
+from lmforge.monitor.sinks import RunPublisher, Sink, WandbSink, open_sinks
 from lmforge.monitor.system import SystemSampler
 from lmforge.run_layout import RunPaths
 
@@ -57,30 +57,28 @@ class RunMonitor:
 
     def log_histograms(self, step: int, values: dict[str, np.ndarray]) -> int:
         """Histograms (tag -> a 1-D sample of values) to each sink that draws them (TensorBoard);
-        how many sinks took them. A failing sink is a warning: histograms never stop a run."""
+        how many sinks took them. Never raises: histograms never stop a run."""
+        return self._to_sinks("log_histograms", "the histograms", step, values)
+
+    def log_samples(self, step: int, samples: list[Sample]) -> None:
+        """Show an eval step's generations in every sink that shows them (rank 0). Never raises."""
+        self._to_sinks("log_samples", "the eval samples", step, samples)
+
+    def _to_sinks(self, method: str, what: str, step: int, payload: Any) -> int:
+        """Call `method(step, payload)` on every sink that has it; a sink that fails is a warning
+        and training goes on. Returns how many sinks took the payload."""
         taken = 0
         for sink in self.sinks:
-            write = getattr(sink, "log_histograms", None)
+            write = getattr(sink, method, None)
             if write is None:
                 continue
             try:
-                write(step, values)
+                write(step, payload)
             except Exception as err:
-                log.warning("%s: writing the histograms of step %d failed: %s", sink.name, step, err)
+                log.warning("%s: writing %s of step %d failed: %s", sink.name, what, step, err)
             else:
                 taken += 1
         return taken
-
-    def log_samples(self, step: int, samples: list[Sample]) -> None:
-        """Show an eval step's generations in every sink that shows them (rank 0). Never raises:
-        a sink that fails is a warning, and training goes on."""
-        for sink in self.sinks:
-            if not isinstance(sink, SampleSink):
-                continue
-            try:
-                sink.log_samples(step, samples)
-            except Exception as err:
-                log.warning("%s: logging the eval samples of step %d failed: %s", sink.name, step, err)
 
     def publish_run(
         self,

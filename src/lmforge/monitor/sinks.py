@@ -68,16 +68,6 @@ class RunPublisher(Protocol):
     def publish_run(self, run: FinishedRun) -> None: ...
 
 
-@runtime_checkable
-class SampleSink(Protocol):
-    """A sink that shows the greedy completions of eval prompts made at an eval step (rank 0).
-    May raise; the caller reports it and training goes on."""
-
-    name: str
-
-    def log_samples(self, step: int, samples: list[Sample]) -> None: ...
-
-
 def open_sinks(
     cfg: MonitorConfig, run_dir: Path, run_name: str, config: dict[str, Any], resume_step: int | None
 ) -> list[Sink]:

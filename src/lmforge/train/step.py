@@ -255,7 +255,7 @@ class TrainStep:
     def utilisation(self, tokens_per_s: float) -> float:
         """MFU of the window. A measured CPU peak can come out low when other work shared the
         cores while it was measured; a window that beats it proves the peak wrong, so the peak
-        is raised to what was achieved (said once in train.log) and MFU never passes 1."""
+        is raised to what was achieved (said in train.log each time) and MFU never passes 1."""
         value = mfu(tokens_per_s, self.flops_per_token, self.peak_flops, self.world_size)
         if value > 1.0:
             achieved = self.peak_flops * value
