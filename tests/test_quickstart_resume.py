@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow
-ARGS = ("--steps", "40", "--finetune-steps", "10")
+ARGS = ("--steps", "40", "--finetune-steps", "10", "--rl-steps", "0")
 
 
 def _logged_steps(metrics: Path) -> list[int]:

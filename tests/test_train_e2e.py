@@ -255,7 +255,7 @@ def test_tokenizer_train_cli_writes_hf_tokenizer(tmp_path: Path) -> None:
 
 def test_quickstart_runs_offline_and_says_where_everything_is(tmp_path: Path) -> None:
     """What `make demo` runs, shortened: same stages, fewer steps."""
-    result = run_cli("quickstart", "--out", str(tmp_path / "qs"), "--steps", "20")
+    result = run_cli("quickstart", "--out", str(tmp_path / "qs"), "--steps", "20", "--rl-steps", "10")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "qs" / "quickstart.json").read_text())
     pretrain = summary["results"]["pretrain"]
@@ -293,8 +293,15 @@ def test_quickstart_runs_offline_and_says_where_everything_is(tmp_path: Path) ->
         assert verdict["runtime"] in (runtime, "llama.cpp")  # llama.cpp when llama-cpp-python is installed
         assert f"export {fmt}" in result.stdout
     assert "FAIL" not in result.stdout
+    # --rl: GRPO of the merged SFT model, reward and accuracy before and after.
+    rl = summary["results"]["rl"]
+    assert (
+        rl["steps"] == 10 and 0 <= rl["held_out_reward_before"] <= 1 and 0 <= rl["held_out_reward_after"] <= 1
+    )
+    assert (Path(rl["final_dir"]) / "model.safetensors").is_file()
+    assert "GRPO (10 steps, exact-match reward): held-out reward of sampled answers" in result.stdout
     # Each run leaves its HTML report, and the quickstart says where.
-    for name in ("pretrain", "finetune"):
+    for name in ("pretrain", "finetune", "rl"):
         report = tmp_path / "qs" / name / "report.html"
         assert report.is_file() and str(report) in result.stdout
         assert "<svg" in report.read_text()

@@ -46,6 +46,16 @@ class RunPaths:
         return self.root / "eval_samples.jsonl"
 
     @property
+    def rl_samples(self) -> Path:
+        """Online RL: sampled completions with their rewards at each logged step, one JSON line each."""
+        return self.root / "rl_samples.jsonl"
+
+    @property
+    def reference(self) -> Path:
+        """Online RL with a KL term on a full fine-tune: the starting weights TRL loads as its reference."""
+        return self.root / "reference"
+
+    @property
     def tensorboard(self) -> Path:
         return self.root / "tb"
 
@@ -127,6 +137,9 @@ class RunPaths:
                 "history",
                 "histograms.jsonl",
                 "profile",
+                "rl_samples.jsonl",
+                "reference",
+                ".reference.tmp",
             ),
         ]
         return [self.root / name for name in names]

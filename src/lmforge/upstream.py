@@ -42,6 +42,10 @@ REGISTRY: tuple[Coupling, ...] = (
     Coupling(f"{_TRAINER}.prediction_step", "override", _STEP,
              "drop the real-token count key before the model sees an eval batch",
              ("self", "model", "inputs", "prediction_loss_only", "ignore_keys")),
+    Coupling(f"{_TRAINER}._prepare_inputs", "override", _STEP,
+             "online RL (TRL GRPO / RLOO) generates its completions here: count their tokens once "
+             "(TRL's own addition to num_input_tokens_seen is undone)",
+             ("self", "inputs")),
     Coupling(f"{_TRAINER}.get_batch_samples", "override", _STEP,
              "time the wait for data (data-wait share) and the slow_data drill",
              ("self", "epoch_iterator", "num_batches", "device")),

@@ -29,6 +29,9 @@ ACTIONLESS = (
     # export against the trained model, so the "complications" PEFT warns about are checked.
     re.compile(r"tied layer is part of the adapter"),
     re.compile(r"embeddings are no longer tied after merging"),
+    # TRL's GRPO / RLOO: lmforge passes an instantiated policy and sets model_init_kwargs only for
+    # the reference model TRL loads from <run>/reference/ (the dtype); the policy needs none.
+    re.compile(r"You passed `model_init_kwargs` to the `(GRPO|RLOO)Config`, but your model is already"),
 )
 # How logging.captureWarnings formats a warning: "<file>:<line>: <Category>: <message>".
 _CATEGORY = re.compile(r":\d+: (\w+): ")

@@ -103,17 +103,26 @@ def quickstart(
     ),
     steps: int = typer.Option(200, help="Pretraining steps (fewer for a faster, rougher demo)."),
     finetune_steps: int = typer.Option(200, help="LoRA fine-tuning steps on the word-group task."),
+    rl_steps: int = typer.Option(
+        40, help="GRPO steps after the fine-tune (exact-match reward on the same task); 0 skips RL."
+    ),
     verbose: bool = typer.Option(False, "--verbose", help=VERBOSE_HELP),
 ) -> None:
     """Offline demo of the whole pipeline on CPU in minutes: tokenizer, pretraining, evaluation, sample,
-    LoRA fine-tuning with held-out accuracy before and after.
+    LoRA fine-tuning with held-out accuracy before and after, export, and a short GRPO run.
 
     Example: `lmforge quickstart --out runs/quickstart`
     """
     from lmforge.pipeline.quickstart import run_quickstart
 
     apply_verbosity(verbose)
-    run_quickstart(out, pretrain_steps=steps, finetune_steps=finetune_steps, console=console)
+    run_quickstart(
+        out,
+        pretrain_steps=steps,
+        finetune_steps=finetune_steps,
+        rl_steps=rl_steps,
+        console=console,
+    )
 
 
 @config_app.command("show")

@@ -12,6 +12,7 @@ from lmforge.config.schema import LmforgeConfig
 
 CHAT_FORMATS = {"alpaca", "sharegpt", "messages"}
 PREFERENCE_STAGES = {"dpo", "kto", "rm"}
+RL_STAGES = {"grpo", "rloo"}
 
 Rule = tuple[Callable[[LmforgeConfig], bool], str, str]
 
@@ -82,6 +83,39 @@ RULES: list[Rule] = [
         lambda c: c.train.stage in PREFERENCE_STAGES and (c.data.packing or c.data.padding_free),
         "data.packing",
         "preference stages batch chosen and rejected answers side by side; packing applies to pretrain and sft",
+    ),
+    (
+        lambda c: c.train.stage in RL_STAGES and (c.data.packing or c.data.padding_free),
+        "data.packing",
+        "online RL generates its completions at run time; packing applies to pretrain and sft",
+    ),
+    (
+        lambda c: (
+            c.train.stage in RL_STAGES and any(s.format == "kto" for s in [*c.data.train, *c.data.eval])
+        ),
+        "data.train",
+        "train.stage grpo / rloo reads prompts with a reference answer (alpaca, sharegpt, messages, "
+        "{question, answer} rows, or preference pairs, whose chosen answer is the reference); not kto rows",
+    ),
+    (
+        lambda c: (
+            c.train.stage in RL_STAGES
+            and (c.train.micro_batch_size * c.train.grad_accum) % c.train.rl.group_size != 0
+        ),
+        "train.micro_batch_size",
+        "in online RL a micro-batch holds completions, and each optimizer step's completions "
+        "(train.micro_batch_size x train.grad_accum per process) must be whole groups of train.rl.group_size; "
+        "make their product a multiple of the group size",
+    ),
+    (
+        lambda c: c.train.stage == "rloo" and "loss" in c.train.rl.model_fields_set,
+        "train.rl.loss",
+        "train.rl.loss selects GRPO's loss variants; RLOO has its own estimator: leave train.rl.loss unset",
+    ),
+    (
+        lambda c: c.train.stage not in RL_STAGES and bool(c.train.rewards),
+        "train.rewards",
+        "rewards score the completions of online RL (train.stage grpo or rloo); remove them for this stage",
     ),
     (
         lambda c: c.train.stage == "kto" and c.train.micro_batch_size < 2,

@@ -230,6 +230,149 @@ class KtoConfig(Section):
     undesirable_weight: float = Field(1.0, gt=0, description="Loss weight of undesirable (label false) rows.")
 
 
+RewardKind = Literal["exact", "contains", "regex", "format", "length", "math", "model", "python"]
+
+
+class RewardConfig(Section):
+    """One reward of an online-RL stage (train.stage grpo / rloo); several are summed with weights."""
+
+    kind: RewardKind = Field(
+        description="exact / contains: the completion equals / contains the row's reference answer; regex: "
+        "`pattern` extracts the answer (its first group, else the match) from the completion and the "
+        "reference (a reference it does not match counts whole), and the two must be equal; "
+        "format: the completion must match `pattern` (1 or 0); length: 0 up to `max_tokens` completion "
+        "tokens, then falling linearly to -1 at twice that; math: the answer is mathematically equal to the "
+        "reference (math-verify); model: the score of a reward model (`path`, the output of train.stage rm "
+        "or any HF sequence-classification model); python: your own function `function: module:function` "
+        "(runs your code: needs `run_user_code: true`)."
+    )
+    weight: float = Field(1.0, description="Weight of this reward in the total.")
+    name: str | None = Field(
+        None, description="Name in metrics (rewards/<name>/mean); defaults to the kind, or the function name."
+    )
+    pattern: str | None = Field(None, description="Regular expression for kind regex and format.")
+    ignore_case: bool = Field(True, description="exact / contains / regex: compare without case.")
+    max_tokens: int | None = Field(None, ge=1, description="kind length: completion tokens free of penalty.")
+    path: str | None = Field(None, description="kind model: directory of the reward model.")
+    function: str | None = Field(
+        None,
+        description="kind python: `module:function` (a module on PYTHONPATH or a file path `dir/file.py:function`); "
+        "called as TRL calls reward functions: f(prompts, completions, completion_ids, answer, ...) -> floats.",
+    )
+    run_user_code: bool = Field(
+        False, description="kind python: the explicit opt-in to import and run the named user code."
+    )
+
+    @model_validator(mode="after")
+    def _settings_of_the_kind(self) -> RewardConfig:
+        import re
+
+        needs = {
+            "regex": "pattern",
+            "format": "pattern",
+            "length": "max_tokens",
+            "model": "path",
+            "python": "function",
+        }
+        key = needs.get(self.kind)
+        if key is not None and getattr(self, key) is None:
+            raise ValueError(f"a reward of kind {self.kind} needs `{key}`")
+        if self.pattern is not None:
+            try:
+                re.compile(self.pattern)
+            except re.error as err:
+                raise ValueError(
+                    f"pattern {self.pattern!r} is not a valid regular expression: {err}"
+                ) from None
+        if self.kind == "python":
+            if ":" not in (self.function or ""):
+                raise ValueError(
+                    f"function {self.function!r} must be `module:function` or `path/file.py:function`"
+                )
+            if not self.run_user_code:
+                raise ValueError(
+                    f"a python reward runs your code ({self.function}); set `run_user_code: true` on it to allow that"
+                )
+        return self
+
+    @property
+    def label(self) -> str:
+        """The reward's name in metrics."""
+        if self.name is not None:
+            return self.name
+        if self.kind == "python" and self.function is not None:
+            return self.function.rsplit(":", 1)[1]
+        return self.kind
+
+
+class RlConfig(Section):
+    """Settings of the online-RL stages: grpo (TRL GRPOTrainer) and rloo (TRL RLOOTrainer)."""
+
+    loss: Literal["grpo", "dr_grpo", "dapo", "bnpo", "gspo"] = Field(
+        "dapo",
+        description="grpo (per-sequence length normalisation), dr_grpo (a constant: no length bias), dapo "
+        "(tokens of the whole batch; TRL's default), bnpo (tokens of the local batch), gspo (sequence-level "
+        "importance ratio, GSPO). Stage grpo only.",
+    )
+    group_size: int = Field(4, ge=2, description="Completions generated per prompt (TRL's num_generations).")
+    max_completion_length: int = Field(64, ge=1, description="Tokens generated per completion at most.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of the completions.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of the completions.")
+    beta: float = Field(
+        0.0,
+        ge=0,
+        description="KL coefficient against the reference (the starting model; with LoRA the base with the "
+        "adapter off). 0 loads no reference model.",
+    )
+    epsilon: float = Field(0.2, gt=0, description="Lower clipping epsilon of the importance ratio.")
+    epsilon_high: float | None = Field(
+        None, gt=0, description="Upper clipping epsilon (DAPO's clip-higher); defaults to epsilon."
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="Advantage scaling by the reward std of the group, of the batch, or none (Dr. GRPO).",
+    )
+    mask_truncated_completions: bool = Field(
+        False, description="Leave completions cut at max_completion_length out of the loss (DAPO)."
+    )
+    generation: Literal["auto", "transformers", "vllm"] = Field(
+        "auto",
+        description="Who generates: transformers generate (everywhere), or vLLM colocated on the GPU (needs "
+        "the vllm extra and CUDA); auto picks vLLM when both are there.",
+    )
+    log_completions: int = Field(
+        4, ge=0, description="Sample completions with their rewards kept per logged step (0: none)."
+    )
+
+
+class RlGuardConfig(Section):
+    """Guardrails of online RL, judged at every logged step from TRL's RL metrics."""
+
+    action: Literal["alert", "stop", "rollback"] = Field(
+        "alert",
+        description="On a signal: alert (an event and the configured alerts), stop (with a checkpoint), or "
+        "rollback (to the last checkpoint).",
+    )
+    kl_bound: float | None = Field(
+        1.0,
+        gt=0,
+        description="Reward hacking: the mean reward rose over the last `window` logged steps while KL to the "
+        "reference grew past this bound (null: off).",
+    )
+    entropy_floor: float | None = Field(
+        0.05,
+        ge=0,
+        description="Entropy collapse: the policy's mean token entropy fell below this (null: off).",
+    )
+    zero_variance_steps: int | None = Field(
+        20,
+        ge=1,
+        description="Every group had zero reward variance (no learning signal) for this many logged steps in a "
+        "row (null: off).",
+    )
+    window: int = Field(5, ge=2, description="Logged steps over which the reward trend is judged.")
+
+
 def lower_is_better(metric: str) -> bool:
     """An eval metric's direction: losses and perplexities fall as a model improves, the rest rise."""
     return "loss" in metric or "ppl" in metric
@@ -249,10 +392,11 @@ class EarlyStoppingConfig(Section):
 
 
 class TrainConfig(Section):
-    stage: Literal["pretrain", "sft", "dpo", "kto", "rm"] = Field(
+    stage: Literal["pretrain", "sft", "dpo", "kto", "rm", "grpo", "rloo"] = Field(
         "pretrain",
         description="Training stage: pretrain (raw text), sft (conversations), dpo (preference pairs; "
-        "loss in train.dpo), kto (labelled conversations), rm (reward model on preference pairs).",
+        "loss in train.dpo), kto (labelled conversations), rm (reward model on preference pairs), grpo / "
+        "rloo (online RL: prompts, completions scored by train.rewards; settings in train.rl).",
     )
     method: Literal["full", "freeze", "lora", "dora", "qlora"] = Field(
         "full",
@@ -263,6 +407,12 @@ class TrainConfig(Section):
     freeze: FreezeConfig = Field(default_factory=FreezeConfig, description="Settings for method=freeze.")
     dpo: DpoConfig = Field(default_factory=DpoConfig, description="Settings for stage=dpo.")
     kto: KtoConfig = Field(default_factory=KtoConfig, description="Settings for stage=kto.")
+    rl: RlConfig = Field(default_factory=RlConfig, description="Settings for stage=grpo and stage=rloo.")
+    rewards: list[RewardConfig] = Field(
+        default_factory=list,
+        description="Rewards of stage grpo / rloo, summed with their weights. Empty with reference answers in "
+        "the data: exact match against the reference (announced at start).",
+    )
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps to run; overrides `epochs`.")
     epochs: float = Field(1.0, gt=0, description="Passes over the training data when max_steps is not set.")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per device per forward pass.")
@@ -349,7 +499,18 @@ class DistributedConfig(Section):
 
 
 AlertKind = Literal[
-    "nonfinite", "spike", "rollback", "stall", "oom_backoff", "data_bound", "finished", "failed", "stopped"
+    "nonfinite",
+    "spike",
+    "rollback",
+    "stall",
+    "oom_backoff",
+    "data_bound",
+    "finished",
+    "failed",
+    "stopped",
+    "reward_hacking",
+    "entropy_collapse",
+    "zero_reward_variance",
 ]
 ALERT_KINDS: tuple[str, ...] = AlertKind.__args__  # type: ignore[attr-defined]
 
@@ -413,6 +574,10 @@ class GuardConfig(Section):
     )
     stall_seconds: float | None = Field(
         900.0, gt=0, description="No step for this long: dump every thread's stack and alert (null: off)."
+    )
+    rl: RlGuardConfig = Field(
+        default_factory=RlGuardConfig,
+        description="Online-RL signals (stage grpo / rloo): reward hacking, entropy collapse, no reward variance.",
     )
 
 

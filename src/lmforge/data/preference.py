@@ -1,10 +1,12 @@
-"""Preference data (dpo, rm) and labelled data (kto): rows -> validated, length-checked TRL datasets.
+"""Preference data (dpo, rm), labelled data (kto) and RL prompts (grpo, rloo): rows -> validated,
+length-checked TRL datasets.
 
 The data stage does what TRL does not: reads every lmforge format and source, applies the
 bad-row policy, applies `over_length` with counts, reports lengths, duplicates and
 eval overlap, and caches the result under a fingerprint. It hands TRL the conversational
 form TRL's trainers tokenize themselves with the tokenizer's chat template
-(`prompt` / `chosen` / `rejected`, or `prompt` / `completion` / `label` for KTO), so the
+(`prompt` / `chosen` / `rejected`, `prompt` / `completion` / `label` for KTO, or `prompt` /
+`answer` for online RL, where the answer is the reference the rewards compare with), so the
 tokens TRL trains on are the ones `apply_chat_template` renders, as in SFT. The order of
 the steps is `data.prep`'s; this module supplies the preference kind's parts.
 """
@@ -35,7 +37,8 @@ from lmforge.data.sft import sft_fingerprint
 from lmforge.data.stats import length_histogram
 from lmforge.errors import UserInputError
 
-PreferenceStage = Literal["dpo", "kto", "rm"]
+PreferenceStage = Literal["dpo", "kto", "rm", "grpo", "rloo"]
+RL_STAGES = ("grpo", "rloo")
 CODE_VERSION = "preference-v1"
 _CHUNK = 512
 
@@ -219,6 +222,13 @@ def _as_prompt_and_answers(
         return [(example.prompt, [example.chosen, example.rejected], None, meta)]
     if isinstance(example, LabeledConversation) and stage == "kto":
         return [(example.messages[:-1], [example.messages[-1]], example.label, (example.origin, None))]
+    if stage in RL_STAGES:
+        # A prompt and its reference answer: the conversation's last assistant turn, or the chosen
+        # answer of a preference pair.
+        if isinstance(example, Conversation):
+            return [(example.messages[:-1], [example.messages[-1]], None, (example.origin, example.tools))]
+        if isinstance(example, PreferencePair):
+            return [(example.prompt, [example.chosen], None, (example.origin, example.tools))]
     wanted = (
         "kto rows or preference pairs" if stage == "kto" else "preference pairs (prompt, chosen, rejected)"
     )
@@ -240,6 +250,8 @@ def _row(
     answer_dicts = [message_dicts([a]) for a in answers]
     if stage == "kto":
         record: dict[str, Any] = {"prompt": prompt_dicts, "completion": answer_dicts[0], "label": bool(label)}
+    elif stage in RL_STAGES:
+        record = {"prompt": prompt_dicts, "answer": answers[0].content}
     else:
         record = {"prompt": prompt_dicts, "chosen": answer_dicts[0], "rejected": answer_dicts[1]}
     if tools:

@@ -86,6 +86,8 @@ def check_micro_batch_fits(cfg: LmforgeConfig, data: RunData) -> None:
     the whole set is checked here because it is known on every rank."""
     size = len(data.train)  # type: ignore[arg-type]
     batch = cfg.train.micro_batch_size
+    if cfg.train.stage in ("grpo", "rloo"):  # a micro-batch of completions: group_size per prompt
+        batch = -(-batch // cfg.train.rl.group_size)
     if size >= batch:
         return
     raise UserInputError(
@@ -110,7 +112,7 @@ def _preference_data(
 ) -> RunData:
     from lmforge.data.preference import prepare_preference_data
 
-    assert cfg.train.stage in ("dpo", "kto", "rm")
+    assert cfg.train.stage in ("dpo", "kto", "rm", "grpo", "rloo")
     prepared = prepare_preference_data(
         cfg.data,
         tokenizer,

@@ -13,22 +13,32 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from lmforge.config.schema import GuardConfig
 
-Action = Literal["apply", "skip", "rollback", "stop"]
+# alert: the update stands; the event is recorded and sent to the configured alerts (RL signals).
+Action = Literal["apply", "skip", "rollback", "stop", "alert"]
 STATE_FILE = "lmforge_guard.json"
 
 
 @dataclass(frozen=True)
 class Verdict:
     action: Action
-    kind: str = ""  # nonfinite | spike | replayed
+    kind: str = ""  # nonfinite | spike | replayed | oom_backoff | reward_hacking | entropy_collapse | ...
     message: str = ""
 
 
 HEALTHY = Verdict("apply")
+
+
+class LogJudge(Protocol):
+    """A guard judged from a logged step's metrics (monitor/rl_guard.py's RlGuard), saved with the rest."""
+
+    def judge(self, step: int, logs: dict[str, Any]) -> Verdict | None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def rewind(self, state: dict[str, Any] | None) -> None: ...
 
 
 @dataclass
@@ -42,6 +52,9 @@ class Guardrails:
     skipped_steps: int = 0
     rollbacks: int = 0
     skip_on_replay: set[int] = field(default_factory=set)  # steps whose batches a rollback skips
+    # Online RL's guard (stage grpo / rloo), judged from logged metrics by GuardCallback.on_log.
+    # Typed by its protocol: rl_guard.py builds on this module's Verdict.
+    rl: LogJudge | None = None
 
     def judge(self, step: int, loss: float, grad_norm: float | None) -> Verdict:
         """The verdict for optimizer step `step` (1-based, the step about to be applied)."""
@@ -117,6 +130,8 @@ class Guardrails:
         if path.is_file():
             state = json.loads(path.read_text())
             self.window = deque(state["window"])
+            if self.rl is not None:
+                self.rl.rewind(state.get("rl"))
         self.bad_in_a_row = 0
         self.rollbacks += 1
         self.skip_on_replay.add(bad_step)
@@ -130,12 +145,15 @@ class Guardrails:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "window": list(self.window),
             "bad_in_a_row": self.bad_in_a_row,
             **self.counters(),
             "skip_on_replay": sorted(self.skip_on_replay),
         }
+        if self.rl is not None:
+            state["rl"] = self.rl.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.window = deque(state["window"])
@@ -146,6 +164,9 @@ class Guardrails:
         self.rollbacks = state["rollbacks"]
         # Rollback skips are kept from the live state too: the checkpoint predates the rollback.
         self.skip_on_replay |= set(state["skip_on_replay"])
+        # Files written before the RL guard existed (or by a non-RL stage) have no "rl": it starts fresh.
+        if self.rl is not None and "rl" in state:
+            self.rl.load_state_dict(state["rl"])
 
     def save(self, directory: Path) -> None:
         (directory / STATE_FILE).write_text(json.dumps(self.state_dict()))

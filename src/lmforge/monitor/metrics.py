@@ -7,6 +7,31 @@ import math
 from pathlib import Path
 from typing import Any
 
+# Online RL's metrics under the names TRL logs them (GRPOTrainer / RLOOTrainer): the total and
+# per-function rewards, the share of groups without reward variance, KL to the reference, token
+# entropy, completion lengths and clipped shares, and the ratio-clipping fractions.
+RL_METRIC_PREFIXES = (
+    "reward",
+    "rewards/",
+    "frac_reward_zero_std",
+    "kl",
+    "entropy",
+    "completions/",
+    "clip_ratio",
+)
+
+
+def stage_metrics(logs: dict[str, Any], prefixes: tuple[str, ...], *, evaluation: bool) -> dict[str, float]:
+    """The numbers of `logs` whose names start with one of `prefixes` (after `eval_` in an
+    evaluation's logs); None values (a metric with nothing to average) are left out."""
+    found = {}
+    for key, value in logs.items():
+        name = key.removeprefix("eval_") if evaluation else key
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if number and key.startswith("eval_") == evaluation and name.startswith(prefixes):
+            found[key] = float(value)
+    return found
+
 
 class MetricsLog:
     def __init__(self, path: Path) -> None:

@@ -41,6 +41,7 @@ class Sample:
     prompt: str
     completion: str
     reference: str | None = None
+    reward: float | None = None  # online RL: the completion's total reward
 
 
 @dataclass

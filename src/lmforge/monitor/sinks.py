@@ -203,8 +203,17 @@ class WandbSink(StepAxisSink):
 
         if self._closed or (self._floor is not None and step <= self._floor):
             return
-        rows = [[step, s.prompt, s.completion, s.reference] for s in samples]
-        table = wandb.Table(columns=["step", "prompt", "completion", "reference"], data=rows)
+        columns: list[str | int] = [
+            "step",
+            "prompt",
+            "completion",
+            "reference",
+            *(["reward"] if _rewarded(samples) else []),
+        ]
+        rows: list[list[Any]] = [
+            [step, s.prompt, s.completion, s.reference, s.reward][: len(columns)] for s in samples
+        ]
+        table = wandb.Table(columns=columns, data=rows)
         self._run.log({SAMPLES_KEY: table}, step=step)
 
     def publish_run(self, run: FinishedRun) -> None:
@@ -305,6 +314,7 @@ class MlflowSink(StepAxisSink):
             "prompt": [s.prompt for s in samples],
             "completion": [s.completion for s in samples],
             "reference": [s.reference for s in samples],
+            **({"reward": [s.reward for s in samples]} if _rewarded(samples) else {}),
         }
         self.client.log_table(self._id, table, f"{SAMPLES_KEY}/step-{step}.json")
 
@@ -368,11 +378,20 @@ class SwanlabSink(StepAxisSink):
 def samples_markdown(samples: list[Sample]) -> str:
     """A markdown table of samples whose cells show the text as written: HTML and markdown
     characters escaped, newlines as line breaks."""
-    rows = ["| prompt | completion | reference |", "|---|---|---|"]
+    rewarded = _rewarded(samples)
+    header = ["prompt", "completion", "reference", *(["reward"] if rewarded else [])]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s in samples:
-        cells = (s.prompt, s.completion, "" if s.reference is None else s.reference)
+        cells = [s.prompt, s.completion, "" if s.reference is None else s.reference]
+        if rewarded:
+            cells.append("" if s.reward is None else f"{s.reward:.4g}")
         rows.append("| " + " | ".join(_markdown_cell(text) for text in cells) + " |")
     return "\n".join(rows)
+
+
+def _rewarded(samples: list[Sample]) -> bool:
+    """Online RL's samples carry rewards: the tables get a reward column (eval generations do not)."""
+    return any(s.reward is not None for s in samples)
 
 
 def _markdown_cell(text: str) -> str:
@@ -384,7 +403,8 @@ def _markdown_cell(text: str) -> str:
 
 def _sample_text(sample: Sample) -> str:
     reference = "" if sample.reference is None else f"\n\nreference: {sample.reference}"
-    return f"prompt: {sample.prompt}\n\ncompletion: {sample.completion}{reference}"
+    reward = "" if sample.reward is None else f"\n\nreward: {sample.reward:.4g}"
+    return f"prompt: {sample.prompt}\n\ncompletion: {sample.completion}{reference}{reward}"
 
 
 def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:

@@ -37,6 +37,7 @@ class QuickstartState:
     out: Path
     pretrain_steps: int
     finetune_steps: int = 200
+    rl_steps: int = 40  # 0: no RL stage
     results: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -208,6 +209,71 @@ def stage_finetune(state: QuickstartState, console: Console) -> None:
         state.results["export"] = outcome.export.artifacts
 
 
+def rl_config(state: QuickstartState) -> LmforgeConfig:
+    """GRPO of the merged SFT model (all weights: 5M parameters, and LoRA at rates that move it
+    collapsed or stood still here): the word-group questions SFT trained on are the prompts,
+    exact match against their answer the reward (the default), and the held-out questions the
+    eval, scored by TRL's evaluation before and after."""
+    finetune = state.results["finetune"]
+    data_dir = state.out / "data"
+    base = {
+        "run": {"name": "rl", "output_dir": str(state.out), "seed": 0, **_start(state, "rl")},
+        "model": {"path": finetune["final_dir"]},
+        "data": {
+            "train": [{"path": str(data_dir / "groups_train.jsonl"), "format": "alpaca"}],
+            "eval": [{"path": finetune["test_file"]}],
+            "max_length": 64,
+            "cache_dir": str(state.out / "cache"),
+        },
+        "train": {
+            "stage": "grpo",
+            "method": "full",
+            # The SFT model's distribution is flat past its top few tokens: at temperature 1
+            # nearly every sample is noise, at 0.6 about half the answers are right.
+            "rl": {"group_size": 4, "max_completion_length": 6, "temperature": 0.6},
+            "max_steps": state.rl_steps,
+            "micro_batch_size": 16,  # 4 prompts x 4 completions per step
+            "lr": 1e-4,
+            "schedule": "constant",
+            "log_every": 5,
+            "eval_every": state.rl_steps,
+            "resume": "auto",
+        },
+    }
+    return load_config(None, base=base)
+
+
+def stage_rl(state: QuickstartState, console: Console) -> None:
+    """A short GRPO run after the SFT: sampled reward and greedy held-out accuracy, before and after."""
+    from lmforge.evaluate import answer_accuracy, load_for_inference
+    from lmforge.monitor.metrics import read_metrics
+    from lmforge.train.runner import run_training
+
+    finetune = state.results["finetune"]
+    test = [json.loads(line) for line in Path(finetune["test_file"]).read_text().splitlines()]
+    outcome = run_training(rl_config(state))
+    _stop_if_interrupted("rl", outcome)
+    records = read_metrics(outcome.run_dir / "metrics.jsonl")
+    evaluated = [r["eval_reward"] for r in records if "eval_reward" in r]
+    model, tokenizer = load_for_inference(str(outcome.final_dir))
+    after = answer_accuracy(model, tokenizer, test, max_new_tokens=8)
+    state.results["rl"] = {
+        "run_dir": str(outcome.run_dir),
+        "final_dir": str(outcome.final_dir),
+        "steps": outcome.steps,
+        "held_out_reward_before": evaluated[0],
+        "held_out_reward_after": evaluated[-1],
+        "held_out_accuracy_before": finetune["held_out_accuracy_after"],
+        "held_out_accuracy_after": after["accuracy"],
+    }
+    result = state.results["rl"]
+    console.print(
+        f"GRPO ({outcome.steps} steps, exact-match reward): held-out reward of sampled answers "
+        f"[bold]{result['held_out_reward_before']:.2f} -> {result['held_out_reward_after']:.2f}[/], greedy "
+        f"held-out accuracy {result['held_out_accuracy_before']:.0%} -> {result['held_out_accuracy_after']:.0%}"
+    )
+
+
 def stage_export(state: QuickstartState, console: Console) -> None:
     """What the fine-tune run's export: section made (it ran at the end of training) and how each
     artifact compares with the adapter on its base, measured in the artifact's own runtime."""
@@ -224,18 +290,29 @@ STAGES: list[tuple[str, Callable[[QuickstartState, Console], None]]] = [
     ("sample", stage_sample),
     ("finetune", stage_finetune),
     ("export", stage_export),
+    ("rl", stage_rl),
 ]
 
 
 def run_quickstart(
-    out: Path, *, pretrain_steps: int = 300, finetune_steps: int = 200, console: Console | None = None
+    out: Path,
+    *,
+    pretrain_steps: int = 300,
+    finetune_steps: int = 200,
+    rl_steps: int = 40,
+    console: Console | None = None,
 ) -> QuickstartState:
-    """Run every stage; write quickstart.json (results and timings) into `out`."""
+    """Run every stage (the GRPO stage unless `rl_steps` is 0); write quickstart.json (results
+    and timings) into `out`."""
     console = console or Console()
-    state = QuickstartState(out=out, pretrain_steps=pretrain_steps, finetune_steps=finetune_steps)
+    state = QuickstartState(
+        out=out, pretrain_steps=pretrain_steps, finetune_steps=finetune_steps, rl_steps=rl_steps
+    )
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     for name, stage in STAGES:
+        if name == "rl" and not rl_steps:
+            continue
         console.rule(f"[bold]{name}")
         t0 = time.perf_counter()
         try:
@@ -249,7 +326,7 @@ def run_quickstart(
             return state
         state.timings[name] = round(time.perf_counter() - t0, 1)
     state.timings["total"] = round(time.perf_counter() - started, 1)
-    for name in ("pretrain", "finetune"):  # written at the end of training; again, now complete
+    for name in ("pretrain", "finetune", "rl"):  # written at the end of training; again, now complete
         if name in state.results:
             state.results[name]["report"] = str(write_report(Path(state.results[name]["run_dir"])))
     summary = {**asdict(state), "out": str(out)}
@@ -276,7 +353,12 @@ def _print_locations(state: QuickstartState, console: Console) -> None:
         console.print(
             f"  try it          lmforge generate {finetune / 'final'} --prompt 'Is plum a fruit, an animal, a color or a tool?'"
         )
-    for name in ("pretrain", "finetune"):
+    if "rl" in state.results:
+        rl = Path(state.results["rl"]["run_dir"])
+        console.print(f"GRPO run          {rl}")
+        console.print(f"  model (HF)      {rl / 'final'}")
+        console.print(f"  samples         {rl / 'rl_samples.jsonl'}  (completions with their rewards)")
+    for name in ("pretrain", "finetune", "rl"):
         if "report" in state.results.get(name, {}):
             console.print(f"{name + ' report':17} {state.results[name]['report']}  (open in a browser)")
     console.print(f"summary           {state.out / 'quickstart.json'}")

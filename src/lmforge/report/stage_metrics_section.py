@@ -8,16 +8,14 @@ charted without a change here.
 
 from __future__ import annotations
 
+from lmforge.monitor.metrics import RL_METRIC_PREFIXES
 from lmforge.report.html import esc
 from lmforge.report.load import RunSummary
 from lmforge.report.plots import PALETTE, Chart, Line, render_chart
 
 # (section title, key prefixes); a key belongs to the first family whose prefix it starts with.
 FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (
-        "Reinforcement learning",
-        ("reward", "rewards/", "frac_reward_zero_std", "kl", "entropy", "completions/", "clip_ratio"),
-    ),
+    ("Reinforcement learning", RL_METRIC_PREFIXES),
     ("Mixture of experts", ("moe_", "aux_loss", "router_", "expert_")),
 )
 MAX_CHARTS = 16  # per family: a page stays readable whatever a stage logs

@@ -16,6 +16,7 @@ from lmforge.verbosity import is_verbose
 OVERRIDABLE = {
     "activation_checkpointing": "FSDP checkpoints activations itself (an extra all-gather otherwise)",
     "remove_unused_columns": "TRL's collators take only the tokenized columns",
+    "per_device_eval_batch_size": "online RL evaluates whole groups of completions per prompt",
 }
 
 

@@ -14,7 +14,7 @@ from lmforge.data.run_data import RunData
 from lmforge.distributed.strategy import Plan, engine_arguments
 from lmforge.errors import UserInputError
 from lmforge.models.build import DTYPES
-from lmforge.monitor.metrics import MetricsLog
+from lmforge.monitor.metrics import RL_METRIC_PREFIXES, MetricsLog
 from lmforge.monitor.run_monitor import RunMonitor
 from lmforge.run_layout import RunPaths
 from lmforge.train.callbacks import (
@@ -32,6 +32,8 @@ from lmforge.train.eval_generations import eval_generations_callbacks
 from lmforge.train.guard_callback import GuardCallback
 from lmforge.train.histograms import HistogramCallback
 from lmforge.train.profiling import ProfileCallback
+from lmforge.train.rl_samples import RlSamples
+from lmforge.train.rl_stage import RL_STAGES
 from lmforge.train.stages import build_stage_trainer
 from lmforge.verbosity import is_verbose
 
@@ -94,6 +96,7 @@ def assemble_trainer(
         if watched
         else (lambda logs, window: guard.step.record(logs, window, guarded=False)),
         language_model_loss=cfg.train.stage in ("pretrain", "sft"),
+        stage_metric_prefixes=RL_METRIC_PREFIXES if cfg.train.stage in RL_STAGES else (),
         listeners=monitor.record_listeners(),
     )
     callbacks: list[TrainerCallback] = [
@@ -129,6 +132,10 @@ def assemble_trainer(
         callbacks.append(HistogramCallback(cfg.monitor.histograms, monitor, paths.histograms))
     if watched and cfg.monitor.profile is not None:
         callbacks.append(ProfileCallback(cfg.monitor.profile, paths, monitor.events))
+    rl_samples = None
+    if watched and cfg.train.stage in RL_STAGES and cfg.train.rl.log_completions:
+        rl_samples = RlSamples(cfg.train.rl.log_completions, monitor, paths.rl_samples, at_eval=has_eval)
+        callbacks.append(rl_samples)
     if cfg.train.early_stopping is not None:
         callbacks.append(_early_stopping(cfg, paths, monitor, has_eval=has_eval))
     if cfg.debug.crash_at_step is not None:
@@ -155,6 +162,8 @@ def assemble_trainer(
         precision=plan.precision,
         engine_args=engine_arguments(plan, model, gradient_checkpointing=cfg.train.gradient_checkpointing),
     )
+    if rl_samples is not None:
+        rl_samples.watch(trainer)
     if comm is not None:
         comm.watch(trainer)  # it hooks the engine's collectives once the Trainer has wrapped the model
     if not is_verbose():

@@ -10,8 +10,11 @@ import torch
 
 def mask_tokens(inputs: dict[str, Any]) -> torch.Tensor:
     """Sum of the 2-D attention masks of every sequence the model runs (chosen, rejected, KL, ...);
-    `prompt_*` masks are parts of those sequences, not sequences of their own (TRL's collators)."""
+    `prompt_*` masks are parts of those sequences, not sequences of their own (TRL's collators).
+    TRL's online RL batches hold a prompt and a completion mask: the model runs both."""
     total = torch.zeros((), dtype=torch.int64)
+    if "completion_mask" in inputs and "prompt_mask" in inputs:
+        return (inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()).cpu()
     for key, value in inputs.items():
         if key.endswith("attention_mask") and not key.startswith("prompt") and getattr(value, "ndim", 0) == 2:
             total = total + value.sum().cpu()

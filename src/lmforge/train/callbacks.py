@@ -25,7 +25,7 @@ from lmforge.distributed.ranks import wait_for_everyone
 from lmforge.distributed.strategy import write_writer
 from lmforge.errors import UserInputError
 from lmforge.monitor.events import EventLog
-from lmforge.monitor.metrics import MetricsLog, read_metrics
+from lmforge.monitor.metrics import MetricsLog, read_metrics, stage_metrics
 from lmforge.train.drills import Drills
 from lmforge.train.numerics import ThroughputMeter
 from lmforge.train.step import eval_record, group_learning_rates
@@ -48,6 +48,7 @@ class MetricsCallback(TrainerCallback):
         *,
         step_record: Callable[[dict[str, float], dict[str, float]], dict[str, Any]],
         language_model_loss: bool = True,
+        stage_metric_prefixes: tuple[str, ...] = (),
         listeners: list[Callable[[dict[str, Any]], None]] | None = None,
     ) -> None:
         self.metrics = metrics
@@ -55,6 +56,7 @@ class MetricsCallback(TrainerCallback):
         self.step_record = step_record
         self.listeners = list(listeners or [])  # sinks that get every record metrics.jsonl gets
         self.language_model_loss = language_model_loss
+        self.stage_metric_prefixes = stage_metric_prefixes  # the stage's own metrics kept from HF's logs
         self.meter = ThroughputMeter()
         self.pending: dict[str, Any] | None = None
         self.summary: dict[str, float] = {}
@@ -95,7 +97,9 @@ class MetricsCallback(TrainerCallback):
         record = self.pending or {"step": step}
         if "eval_loss" in logs:
             record.update(eval_record(logs, language_model_loss=self.language_model_loss))
+            record.update(stage_metrics(logs, self.stage_metric_prefixes, evaluation=True))
         if "loss" in logs:
+            record.update(stage_metrics(logs, self.stage_metric_prefixes, evaluation=False))
             for key in ("loss", "learning_rate", "grad_norm", "epoch"):
                 if key in logs:
                     record[_RENAMED.get(key, key)] = logs[key]

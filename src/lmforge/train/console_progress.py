@@ -30,6 +30,9 @@ STEP_FIELDS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     ("loss", "loss", lambda v: f"{v:.4f}"),
     ("lr", "lr", lambda v: f"{v:.2e}"),
     ("grad_norm", "grad", lambda v: f"{v:.3g}"),
+    # Online RL (TRL's names): the mean total reward and KL to the reference.
+    ("reward", "reward", lambda v: f"{v:.3f}"),
+    ("kl", "kl", lambda v: f"{v:.3g}"),
     ("tokens_per_s", "tok/s", lambda v: f"{v:,.0f}"),
     ("mfu", "MFU", lambda v: f"{v:.1%}"),
 )
@@ -53,6 +56,8 @@ def format_eval_line(record: dict[str, Any], step: int) -> str:
     parts = [f"eval at step {step}:"]
     for key, value in record.items():
         if not key.startswith("eval_") or key in EVAL_HIDDEN or not isinstance(value, int | float):
+            continue
+        if "/" in key:  # a family's detail (online RL's per-reward and length figures): metrics.jsonl
             continue
         label = EVAL_LABELS.get(key, key.removeprefix("eval_"))
         parts.append(f"{label} {value:.4g}")

@@ -143,7 +143,12 @@ def eval_generations_callbacks(
     `monitor.eval_generations` is set, there is eval data, and the model generates (not rm)."""
     settings = cfg.monitor.eval_generations
     has_eval = data.eval is not None and len(data.eval) > 0  # type: ignore[arg-type]
-    if not cfg.monitor.enabled or settings is None or not has_eval or cfg.train.stage == "rm":
+    if (
+        not cfg.monitor.enabled
+        or settings is None
+        or not has_eval
+        or cfg.train.stage in ("rm", "grpo", "rloo")
+    ):
         return []
     callback = EvalGenerations(
         settings,

@@ -20,6 +20,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from lmforge.config import LmforgeConfig
 from lmforge.monitor.events import EventLog
 from lmforge.monitor.guard import Guardrails
+from lmforge.monitor.rl_guard import RlGuard
 from lmforge.monitor.watchdog import StallWatchdog, StopSignals
 from lmforge.train.drills import Drills
 from lmforge.train.numerics import flops_per_token, peak_flops
@@ -126,7 +127,29 @@ class GuardCallback(TrainerCallback):
         if control.should_log:
             self.step.gather_rank_stats()  # a collective: on every rank, at every logged step
 
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kw: Any,
+    ) -> None:
+        """Judge a training log's RL metrics (stage grpo / rloo) and act on the verdict at once.
+
+        HF logs in `_maybe_log_save_evaluate`, after on_step_end and before the step's save: a stop
+        still checkpoints this step, a rollback still prevents it. TRL's RL metrics are gathered
+        over ranks, so every rank reaches the same verdict and they stop together."""
+        rl = self.step.guardrails.rl if self.step.guardrails is not None else None
+        if rl is None or not logs or any(key.startswith("eval_") for key in logs):
+            return
+        verdict = rl.judge(state.global_step, logs)
+        if verdict is not None:
+            self.step.verdicts.append((state.global_step, verdict))
+            self._act_on_verdicts(state, control)
+
     def _act_on_verdicts(self, state: TrainerState, control: TrainerControl) -> None:
+        # Every verdict is an event; "alert" (RL signals) is nothing more, its update stands.
         for step, verdict in self.step.verdicts:
             action = verdict.action
             if state.is_world_process_zero:
@@ -199,18 +222,25 @@ def build_train_step(
     complete checkpoint is the last good state; the same launch command resumes from it.
     `precision`: the resolved train.precision, whose matmul peak MFU is measured against."""
     settings = cfg.monitor.guard
+    online_rl = cfg.train.stage in ("grpo", "rloo")
     if update_in_backward:
-        acting = {
+        acting: dict[str, Any] = {
             key: "stop" for key in ("nonfinite", "spike") if getattr(settings, key) in ("skip", "rollback")
         }
+        named = [f"{key}={getattr(settings, key)}" for key in acting]
+        if online_rl and settings.rl.action == "rollback":
+            acting["rl"] = settings.rl.model_copy(update={"action": "stop"})
+            named.append("rl.action=rollback")
         if acting:
             log.warning(
                 "monitor.guard: DeepSpeed applies each update inside backward, before a bad step can be "
                 "dropped; %s act as stop (resume from the newest checkpoint: set train.save_every)",
-                " and ".join(f"{key}={getattr(settings, key)}" for key in acting),
+                " and ".join(named),
             )
             settings = settings.model_copy(update=acting)
     guardrails = Guardrails(settings, total_steps=cfg.train.max_steps) if cfg.monitor.enabled else None
+    if guardrails is not None and online_rl:
+        guardrails.rl = RlGuard(settings.rl)
     if guardrails is not None and resume is not None:
         guardrails.load(resume)
     text = model.config.get_text_config()
@@ -225,7 +255,8 @@ def build_train_step(
     return TrainStep(
         guardrails,
         Drills.from_config(cfg.debug),
-        oom_backoff=cfg.monitor.enabled and settings.oom_backoff,
+        # Online RL's micro-batches are generated completions in whole groups: not split in chunks.
+        oom_backoff=cfg.monitor.enabled and settings.oom_backoff and not online_rl,
         flops_per_token=per_token,
         peak_flops=peak_flops(device, precision) if cfg.monitor.enabled else 0.0,
     )

@@ -30,7 +30,7 @@ from lmforge.models.build import build_model, count_parameters
 from lmforge.models.methods import Head, apply_training_method, quantization_for
 from lmforge.monitor.metrics import MetricsLog
 from lmforge.monitor.run_monitor import open_run_monitor
-from lmforge.run_layout import RunPaths
+from lmforge.run_layout import RunPaths, read_json_object
 from lmforge.train.assembly import assemble_trainer
 from lmforge.train.callbacks import (
     MetricsCallback,
@@ -42,6 +42,7 @@ from lmforge.train.outcome import TrainOutcome, outcome_of
 from lmforge.train.precision import resolve_precision
 from lmforge.train.preflight import check_runs_here
 from lmforge.train.provenance import describe
+from lmforge.train.rl_stage import RL_STAGES, reference_model_path
 from lmforge.train.rollback import train_with_rollbacks
 from lmforge.train.run_lock import RunLock
 from lmforge.train.run_log import run_log
@@ -132,6 +133,8 @@ def _train_run(
     log.info("model: %s, %.2fM parameters", model.config.model_type, parameters / 1e6)
     # The reference is the starting model, frozen: copied before any weight trains.
     reference = copy.deepcopy(model).eval() if needs_reference_model(cfg) else None
+    if cfg.train.stage in RL_STAGES:
+        reference_model_path(model, cfg.train, paths, is_main=world.is_main)
     model = apply_training_method(model, cfg.train, head=head)
 
     monitor = open_run_monitor(
@@ -229,8 +232,11 @@ def _already_finished(
     log.info("run %s already finished at step %d; nothing to train", paths.root, finished["step"])
     outcome = outcome_of(paths, finished["step"], int(finished.get("parameters", 0)), resumed_from=None)
     outcome.already_finished = True
-    if cfg.export.formats and is_main and not (paths.export / EXPORT_SUMMARY).is_file():
+    summary = paths.export / EXPORT_SUMMARY
+    if cfg.export.formats and is_main and not summary.is_file():
         outcome.export = run_export(cfg.export, paths.final, paths.export)
+    elif cfg.export.formats and summary.is_file():  # the exports of the finished run, as they were
+        outcome.export = ExportOutcome(paths.export, read_json_object(summary).get("artifacts", {}))
     return outcome
 
 

@@ -3,23 +3,28 @@
 pretrain and sft run HF Trainer over lmforge's own prepared samples and collators; dpo, kto
 and rm run TRL's trainers (DPOTrainer for the sigmoid and ipo losses, TRL's ORPO and CPO
 trainers for orpo and simpo, KTOTrainer, RewardTrainer), fed the data stage's validated
-conversational rows. Each gets the same TrainingArguments mapping and callbacks.
+conversational rows; grpo and rloo run TRL's GRPOTrainer and RLOOTrainer on prompts with the
+rewards of `train.rewards` (train/rl_stage.py). Each gets the same TrainingArguments mapping
+and callbacks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments
 
 from lmforge.config import LmforgeConfig
+from lmforge.config.schema import TrainConfig
 from lmforge.data.run_data import RunData
 from lmforge.models.methods import ADAPTER_METHODS
 from lmforge.run_layout import RunPaths
 from lmforge.train.arguments import build_training_arguments
 from lmforge.train.numerics import CountingCollator
+from lmforge.train.rewards import RewardSet
+from lmforge.train.rl_stage import RL_STAGES, build_rl_rewards, rl_config_values, uses_vllm
 from lmforge.train.trainer import LmforgeTrainer, with_lmforge_step
 
 
@@ -31,6 +36,7 @@ class TrlStage:
     config: type[TrainingArguments]
     values: dict[str, Any]
     takes_reference: bool  # pass a frozen reference copy when there is no adapter to switch off
+    extra: dict[str, Any] = field(default_factory=dict)  # more constructor arguments (RL: reward_funcs)
 
 
 def needs_reference_model(cfg: LmforgeConfig) -> bool:
@@ -59,7 +65,10 @@ def build_stage_trainer(
     `engine_args` select the distributed engine (distributed/strategy.py)."""
     evaluation = data.eval if has_eval else None
     language_model = cfg.train.stage in ("pretrain", "sft")
-    stage = None if language_model else _trl_stage(cfg)
+    if cfg.train.stage in RL_STAGES:
+        stage: TrlStage | None = _rl_stage(cfg.train, build_rl_rewards(cfg.train, data.train, tokenizer))
+    else:
+        stage = None if language_model else _trl_stage(cfg)
     args = build_training_arguments(
         cfg.train,
         paths,
@@ -85,6 +94,7 @@ def build_stage_trainer(
         )
     configure(args)
     extra: dict[str, Any] = {"ref_model": reference} if stage.takes_reference else {}
+    extra.update(stage.extra)
     return with_lmforge_step(stage.trainer)(
         model=model,
         args=args,
@@ -94,6 +104,18 @@ def build_stage_trainer(
         callbacks=callbacks,
         **extra,
     )
+
+
+def _rl_stage(train: TrainConfig, rewards: RewardSet) -> TrlStage:
+    values = rl_config_values(train, rewards, use_vllm=uses_vllm(train.rl))
+    extra = {"reward_funcs": rewards.functions}
+    if train.stage == "rloo":
+        from trl import RLOOConfig, RLOOTrainer
+
+        return TrlStage(RLOOTrainer, RLOOConfig, values, takes_reference=False, extra=extra)
+    from trl import GRPOConfig, GRPOTrainer
+
+    return TrlStage(GRPOTrainer, GRPOConfig, values, takes_reference=False, extra=extra)
 
 
 def _trl_stage(cfg: LmforgeConfig) -> TrlStage:

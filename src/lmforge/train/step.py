@@ -113,7 +113,8 @@ class TrainStep:
         """After an out-of-memory: run each micro-batch as twice as many chunks, or give up."""
         if not self.oom_backoff or self.world_size > 1 or self.splits >= size:
             reason = (
-                "monitor.guard.oom_backoff is off"
+                "the micro-batch back-off is off (monitor.guard.oom_backoff; always in online RL, whose "
+                "micro-batches are whole groups of generated completions)"
                 if not self.oom_backoff
                 else "the back-off runs in single-process training only (ranks must split in lockstep)"
                 if self.world_size > 1

@@ -29,7 +29,8 @@ class StepHooks:
         self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
     ) -> Any:
         step, number = self.train_step, self.state.global_step + 1  # type: ignore[attr-defined]
-        step.count_tokens(inputs, self.args.device)  # type: ignore[attr-defined]
+        if isinstance(inputs, dict):  # online RL's prompts are counted once generated (_prepare_inputs)
+            step.count_tokens(inputs, self.args.device)  # type: ignore[attr-defined]
         while True:
             step.in_backward = False  # set once a backward may have added to the gradients
             try:
@@ -40,6 +41,19 @@ class StepHooks:
                 step.back_off(number, batch_size(inputs), err)
         step.add_loss(loss)
         return loss
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        state = self.state  # type: ignore[attr-defined]
+        seen = state.num_input_tokens_seen
+        prepared = super()._prepare_inputs(inputs)  # type: ignore[misc]
+        # TRL's online RL turns a list of prompt rows into completions here: their tokens are the
+        # step's (the prompt and completion masks), counted like any other batch's by close_step.
+        # TRL adds them to num_input_tokens_seen itself as well; that count is undone, or every
+        # token would be counted twice.
+        if not isinstance(inputs, dict) and self.model.training:  # type: ignore[attr-defined]
+            state.num_input_tokens_seen = seen
+            self.train_step.count_tokens(prepared, self.args.device)  # type: ignore[attr-defined]
+        return prepared
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         out = super().compute_loss(model, inputs, *args, **kwargs)  # type: ignore[misc]
@@ -60,7 +74,8 @@ class StepHooks:
         prediction_loss_only: bool,
         ignore_keys: list[str] | None = None,
     ) -> Any:
-        inputs.pop(REAL_TOKENS_KEY, None)
+        if isinstance(inputs, dict):  # online RL evaluates a list of prompt rows
+            inputs.pop(REAL_TOKENS_KEY, None)
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)  # type: ignore[misc]
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
