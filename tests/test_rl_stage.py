@@ -224,3 +224,16 @@ def test_vllm_generation_without_a_gpu_stops_before_any_work(tmp_path: Path, tas
     assert result.returncode == 2
     assert "train.rl.generation: vllm needs a CUDA GPU and the vllm package" in result.stderr
     assert not (tmp_path / "runs" / "vllm" / "data_report.json").exists()  # refused before the data stage
+
+
+def test_a_grpo_run_exports_like_the_other_stages(tmp_path: Path, task: dict[str, Path]) -> None:
+    """LoRA GRPO with export.merge_lora and a GGUF export: the merged model in final/ and a GGUF
+    file verified in its own runtime against the adapter on its base."""
+    config = rl_config(tmp_path, task, "export", method="lora")
+    config["export"] = {"merge_lora": True, "formats": ["gguf"], "gguf_dtype": "f32"}
+    outcome = run_training(load_config(None, base=config))
+    assert (outcome.final_dir / "model.safetensors").is_file()
+    assert (outcome.final_dir / "adapter" / "adapter_model.safetensors").is_file()
+    assert outcome.export is not None and not outcome.export.failures
+    verdict = outcome.export.artifacts["gguf"]["verification"]
+    assert verdict["passed"], verdict
