@@ -43,14 +43,13 @@ def rl_config_values(train: TrainConfig, rewards: RewardSet, *, use_vllm: bool) 
         # TRL's own completion printer writes rich tables to the console and parquet files;
         # lmforge sends the samples to its sinks instead (train/rl_samples.py).
         "log_completions": False,
-        "remove_unused_columns": False,
+        "remove_unused_columns": False,  # the reference answers reach the reward functions as a column
         # A micro-batch holds completions; evaluation needs whole groups of them.
-        "per_device_eval_batch_size": train.micro_batch_size
-        * train.grad_accum,  # the reference answers reach the reward functions as a column
+        "per_device_eval_batch_size": train.micro_batch_size * train.grad_accum,
         "use_vllm": use_vllm,
         "vllm_mode": "colocate",
-        # A random-init or resized model has no path TRL could reload it from; the ref model is
-        # loaded from <run>/reference/ in the training dtype (reference_model_path).
+        # Only the reference model is loaded by TRL (from <run>/reference/, reference_model_path):
+        # in the dtype it was saved in.
         "model_init_kwargs": {"dtype": "auto"},
     }
     if train.stage == "grpo":
