@@ -25,15 +25,19 @@ def random_llama(hidden: int, layers: int, *, vocab: int = 32000) -> Any:
     return LlamaForCausalLM(config)
 
 
-def medians_by_side(runs: dict[str, list[dict]], *, width: int = 9) -> dict[str, tuple[float, float]]:
-    """(median seconds, median peak RSS MiB) per side, after printing each side's runs."""
+def medians_by_side(
+    runs: dict[str, list[dict]], *, width: int = 9, prefix: str = "", notes: dict[str, str] | None = None
+) -> dict[str, tuple[float, float]]:
+    """(median seconds, median peak RSS MiB) per side, after printing each side's runs (each line
+    after `prefix`, with the side's entry of `notes` at its end)."""
     medians = {}
     for side, results in runs.items():
         seconds = statistics.median(r["seconds"] for r in results)
         rss = statistics.median(r["peak_rss_mib"] for r in results)
         medians[side] = (seconds, rss)
         print(
-            f"{side:{width}}: {seconds:6.1f} s  runs={[round(r['seconds'], 1) for r in results]}  "
+            f"{prefix}{side:{width}}: {seconds:6.1f} s  runs={[round(r['seconds'], 1) for r in results]}  "
             f"peak RSS {rss:,.0f} MiB  runs={[round(r['peak_rss_mib']) for r in results]}"
+            + (f"  {notes[side]}" if notes and side in notes else "")
         )
     return medians

@@ -354,3 +354,59 @@ def test_modelfile_keeps_qwen2s_default_system_prompt() -> None:
     tokenizer.chat_template = BUILTIN_TEMPLATES["qwen2"]
     modelfile = render_modelfile("m.gguf", tokenizer)
     assert 'SYSTEM """You are a helpful assistant."""' in modelfile and "TEMPLATE" in modelfile
+
+
+def test_sharded_sentencepiece_llama_streams_in_blocks(
+    models_dir: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Weights are read and converted a few rows at a time (here 3 rows, less than a head, as a large
+    model's blocks are a slice of its embedding): every tensor of a sharded SentencePiece Llama equals
+    its whole-tensor encoding, for every --dtype."""
+    from safetensors.torch import load_file
+
+    from lmforge.ckpt import gguf_encoding
+
+    source = models_dir["llama-spm"]
+    shards = sorted(source.glob("*.safetensors"))
+    assert len(shards) > 1
+    monkeypatch.setattr(gguf_encoding, "_BLOCK_BYTES", 1000)
+    config = json.loads((source / "config.json").read_text())
+    state = {name: tensor for shard in shards for name, tensor in load_file(shard).items()}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config["num_hidden_layers"])
+    vocab = len(AutoTokenizer.from_pretrained(str(source)))
+    threads = torch.get_num_threads()
+    for dtype in ("f32", "f16", "bf16", "q8_0"):
+        convert(source, "gguf", tmp_path / dtype, dtype=dtype)
+        assert torch.get_num_threads() == threads  # the conversion's one thread is given back
+        meta, tensors = fields(tmp_path / dtype / f"model-{dtype}.gguf")
+        assert meta["tokenizer.ggml.model"] == "llama"
+        assert len(meta["tokenizer.ggml.tokens"]) == vocab == config["vocab_size"]  # type: ignore[arg-type]
+        assert len(tensors) == len(state)
+        for hf_name, weight in state.items():
+            name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+            assert name is not None
+            heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+            if name.split(".")[-2] in heads:
+                weight = rope_permute(weight, heads[name.split(".")[-2]])
+            if weight.dim() == 1 or dtype == "f32":
+                expected = weight.float().numpy()
+            elif dtype == "f16":
+                expected = weight.half().numpy()
+            elif dtype == "bf16":
+                expected = weight.bfloat16().view(torch.int16).numpy()
+            else:
+                expected = gguf.quants.quantize(weight.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+            assert np.asarray(tensors[name].data).tobytes() == expected.tobytes(), (dtype, name)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "llama-spm"])
+def test_tokenizer_loads_as_auto_tokenizer_does(models_dir: dict[str, Path], name: str) -> None:
+    """load_tokenizer skips building the model's config class (memory) yet picks the same class."""
+    from lmforge.ckpt.gguf_tokenizer import load_tokenizer
+
+    config = json.loads((models_dir[name] / "config.json").read_text())
+    ours = load_tokenizer(models_dir[name], config)
+    reference = AutoTokenizer.from_pretrained(str(models_dir[name]))
+    assert type(ours) is type(reference)
+    assert ours.backend_tokenizer.to_str() == reference.backend_tokenizer.to_str()
+    assert ours.special_tokens_map == reference.special_tokens_map

@@ -238,3 +238,38 @@ def test_cli_says_which_gpu_memory_it_assumed(tmp_path: Path) -> None:
         assert "no GPU is visible here: assuming 80GB per GPU (set --gpu-mem for yours)" in plain.output
     given = json.loads(CliRunner().invoke(_app(), ["estimate", config, "--gpu-mem", "24GB", "--json"]).stdout)
     assert given["gpu_mem_source"] == "given" and given["gpu_mem_bytes"] == 24 * 10**9
+
+
+def test_the_optimizer_decides_the_state_bytes_per_parameter() -> None:
+    def ddp_states(**train: Any) -> tuple[int, int]:
+        result = estimate_memory(_config(precision="fp32", **train), gpus=1, gpu_mem_bytes=None, nodes=1)
+        return result.strategies[0].model_states_gpu, result.model.total_params
+
+    adamw, p = ddp_states()
+    assert adamw == 16 * p  # fp32: weights 4 + grads 4 + two moments 8
+    assert ddp_states(optimizer="lion")[0] == 12 * p  # one moment
+    assert ddp_states(optimizer="adamw_8bit")[0] == 10 * p  # two 8-bit moments
+    assert ddp_states(optimizer="adafactor")[0] == 8 * p  # factored: rows and columns only
+    muon, galore = ddp_states(optimizer="muon")[0], ddp_states(optimizer="galore")[0]
+    assert 12 * p < muon < 16 * p  # Muon's one buffer on the hidden matrices, AdamW on the embeddings
+    assert galore < adamw  # rank 128 of 256: 6 bytes on the projected matrices
+
+
+def test_memory_savers_move_the_activation_and_logits_terms() -> None:
+    shape = {"vocab": 150_000, "max_length": 1024, "micro_batch_size": 8}
+    plain = estimate_memory(_config(**shape), gpus=1, gpu_mem_bytes=None, nodes=1)
+    chunked = estimate_memory(
+        _config(**shape, chunked_cross_entropy=True), gpus=1, gpu_mem_bytes=None, nodes=1
+    )
+    # One 1,024-token chunk's fp32 logits, log-softmax and gradients instead of 8,192 tokens' worth.
+    assert chunked.strategies[0].logits == 16 * 1024 * 150_000
+    assert chunked.strategies[0].logits < plain.strategies[0].logits / 5
+    every = estimate_memory(
+        _config(**shape, gradient_checkpointing=True, checkpoint_every=2), gpus=1, gpu_mem_bytes=None, nodes=1
+    )
+    assert plain.activations_checkpointing < every.strategies[0].activations < plain.strategies[0].activations
+    offload = estimate_memory(_config(**shape, activation_offload=True), gpus=1, gpu_mem_bytes=None, nodes=1)
+    layers = plain.model.num_layers
+    assert offload.strategies[0].activations == plain.strategies[0].activations // layers  # one layer's
+    assert offload.activations_offloaded_to_cpu == plain.strategies[0].activations * (layers - 1) // layers
+    assert offload.strategies[0].model_states_cpu > plain.strategies[0].model_states_cpu

@@ -32,6 +32,12 @@ ACTIONLESS = (
     # TRL's GRPO / RLOO: lmforge passes an instantiated policy and sets model_init_kwargs only for
     # the reference model TRL loads from <run>/reference/ (the dtype); the policy needs none.
     re.compile(r"You passed `model_init_kwargs` to the `(GRPO|RLOO)Config`, but your model is already"),
+    # bitsandbytes (Lion, 8-bit AdamW, GaLore) on an AVX512-bf16 CPU: an optional 4-bit matmul
+    # kernel it would download from the hub; lmforge's optimizers never use it.
+    re.compile(r"Failed to load CPU gemm_4bit_forward from kernels-community"),
+    # transformers on train.compile without an Ampere GPU: compiling is what the user asked for
+    # (it pays on CPUs too: bench/RESULTS.md).
+    re.compile(r"The speedups for torchdynamo mostly come with GPU Ampere or higher"),
 )
 # How logging.captureWarnings formats a warning: "<file>:<line>: <Category>: <message>".
 _CATEGORY = re.compile(r":\d+: (\w+): ")

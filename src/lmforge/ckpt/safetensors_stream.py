@@ -68,6 +68,17 @@ class SafetensorsReader:
         self.handle.readinto(raw)
         return torch.frombuffer(raw, dtype=DTYPES[entry.dtype]).reshape(entry.shape)
 
+    def rows(self, entry: Entry, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of the tensor seen as 2-D (leading dimensions flattened; a 1-D tensor
+        is one row): only those bytes are read."""
+        width = entry.shape[-1] if entry.shape else 1
+        dtype = DTYPES[entry.dtype]
+        row_bytes = width * dtype.itemsize
+        self.handle.seek(self.data_start + entry.start + start * row_bytes)
+        raw = bytearray((stop - start) * row_bytes)
+        self.handle.readinto(raw)
+        return torch.frombuffer(raw, dtype=dtype).reshape(stop - start, width)
+
     def copy_bytes(self, entry: Entry, out: IO[bytes]) -> None:
         self.handle.seek(self.data_start + entry.start)
         left = entry.end - entry.start

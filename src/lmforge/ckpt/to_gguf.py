@@ -2,9 +2,10 @@
 
 The GGUF carries what llama.cpp needs to run the model as a chat model on its own: the
 architecture hyperparameters, the weights under llama.cpp's tensor names, and the tokenizer
-(vocabulary, merges or scores, special ids, chat template). Weights stream one tensor at a time:
-every tensor's name, type and size is known from the safetensors headers, so the GGUF header is
-written first and each tensor is read, converted and appended in turn (peak memory ~ one tensor).
+(vocabulary, merges or scores, special ids, chat template). Weights stream a block of rows at a
+time: every tensor's name, type and size is known from the safetensors headers, so the GGUF header
+is written first and each tensor is read, converted and appended in blocks of a few MB in turn
+(peak memory: the imports, the tokenizer and one block, whatever the model's size).
 
 Two layout facts llama.cpp expects and HF does not:
 - Llama/Mistral run RoPE on interleaved pairs in llama.cpp (rope type NORM) but on halves in HF
@@ -21,6 +22,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +33,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from lmforge.ckpt.conversion import Conversion
-from lmforge.ckpt.gguf_encoding import PlannedTensor, QType, encode_tensor, storage_type
+from lmforge.ckpt.gguf_encoding import PlannedTensor, QType, encode_blocks, one_thread, storage_type
 from lmforge.ckpt.gguf_modelfile import render_modelfile
 from lmforge.ckpt.gguf_tokenizer import add_tokenizer, load_tokenizer
 from lmforge.ckpt.safetensors_stream import INDEX_NAME, SafetensorsReader
@@ -68,7 +71,7 @@ def convert_to_gguf(source: Path, out: Path, *, dtype: str) -> Conversion:
     config = _read_config(source)
     family = FAMILIES[config["model_type"]]
     shards = _weight_files(source)
-    tokenizer = load_tokenizer(source)
+    tokenizer = load_tokenizer(source, config)
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"model-{dtype}.gguf"
@@ -82,13 +85,16 @@ def convert_to_gguf(source: Path, out: Path, *, dtype: str) -> Conversion:
     _add_hyperparameters(writer, config, source, dtype)
     rope_freqs = _add_rope_scaling(writer, config)
     details |= add_tokenizer(writer, tokenizer, config)
+    modelfile_text = render_modelfile(path.name, tokenizer)
+    del tokenizer  # its vocabulary need not stay resident while the weights stream
 
     plan = _plan_tensors(shards, config, family, GGUF_DTYPES[dtype][0])
     if rope_freqs is not None:
         name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
         plan.append(PlannedTensor(name, QType.F32, computed=rope_freqs))
     try:
-        _write_streaming(writer, plan)
+        with one_thread():
+            _write_streaming(writer, plan)
     except BaseException:
         writer.close()
         partial.unlink(missing_ok=True)
@@ -97,7 +103,7 @@ def convert_to_gguf(source: Path, out: Path, *, dtype: str) -> Conversion:
     os.replace(partial, path)
 
     modelfile = out / "Modelfile"
-    modelfile.write_text(render_modelfile(path.name, tokenizer))
+    modelfile.write_text(modelfile_text)
     counts: dict[str, int] = {}
     for tensor in plan:
         counts[tensor.qtype.name] = counts.get(tensor.qtype.name, 0) + 1
@@ -113,7 +119,11 @@ def convert_to_gguf(source: Path, out: Path, *, dtype: str) -> Conversion:
 
 def _write_streaming(writer: gguf.GGUFWriter, plan: list[PlannedTensor]) -> None:
     """Header, metadata and tensor index first (sizes are known from the safetensors headers),
-    then each tensor's data: read, convert, append, drop."""
+    then each tensor's data, a block of rows at a time: read, convert, append, drop.
+
+    The data goes to the file here, laid out as GGUFWriter.write_tensor_data lays it (each tensor
+    padded to the file's alignment): that method takes whole tensors, so the largest converted
+    tensor (the embedding: 250 MiB in f16 for a 7B Llama) would sit in memory at once."""
     for tensor in plan:
         writer.add_tensor_info(
             tensor.name, tensor.shape, np.dtype(np.float32), tensor.nbytes, raw_dtype=tensor.qtype
@@ -121,15 +131,22 @@ def _write_streaming(writer: gguf.GGUFWriter, plan: list[PlannedTensor]) -> None
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
+    assert writer.fout is not None and len(writer.fout) == 1  # one file: no split was asked for
+    out = writer.fout[0]
+    byteswap = writer.endianess != (gguf.GGUFEndian.BIG if sys.byteorder == "big" else gguf.GGUFEndian.LITTLE)
     readers: dict[Path, SafetensorsReader] = {}
     try:
         for tensor in tqdm(plan, desc="write gguf", unit="tensor"):
+            writer.write_padding(out, out.tell())
             if tensor.computed is not None:
-                writer.write_tensor_data(tensor.computed)
-                continue
-            assert tensor.source is not None and tensor.entry is not None
-            reader = readers.setdefault(tensor.source, SafetensorsReader(tensor.source))
-            writer.write_tensor_data(encode_tensor(reader.tensor(tensor.entry), tensor))
+                blocks: Iterable[np.ndarray] = [tensor.computed]
+            else:
+                assert tensor.source is not None
+                reader = readers.setdefault(tensor.source, SafetensorsReader(tensor.source))
+                blocks = encode_blocks(reader, tensor)
+            for block in blocks:
+                out.write((block.byteswap() if byteswap else block).data)
+            writer.write_padding(out, tensor.nbytes)
     finally:
         for reader in readers.values():
             reader.close()

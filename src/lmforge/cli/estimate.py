@@ -71,9 +71,23 @@ def estimate(
             "yes" if row.fits else "no",
         )
     console.print(table)
+    every = f" (every {result.checkpoint_every} layers)" if result.checkpoint_every > 1 else ""
     console.print(
         f"activations: {_gib(result.activations_no_checkpointing)} without, "
-        f"{_gib(result.activations_checkpointing)} with gradient checkpointing"
+        f"{_gib(result.activations_checkpointing)} with gradient checkpointing{every}"
+        + (
+            f"; activation offload keeps {_gib(result.activations_offloaded_to_cpu)} in host memory"
+            if result.activation_offload
+            else ""
+        )
+    )
+    console.print(
+        f"logits: {_gib(result.logits_full)} whole, {_gib(result.logits_chunked)} with "
+        f"train.chunked_cross_entropy{' (on)' if result.chunked_cross_entropy else ''}"
+    )
+    console.print(
+        f"optimizer {result.optimizer}: {result.optimizer_state_bytes_per_param:.1f} bytes of state per "
+        "parameter (AdamW: 8)"
     )
     console.print(
         f"recommended: [bold]{result.recommended or 'nothing fits; add GPUs or shrink the batch'}[/]"

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from lmforge.cli.console import VERBOSE_HELP, apply_verbosity
+from lmforge.config import LmforgeConfig
 from lmforge.config.redact import redact_text
 from lmforge.errors import UserInputError
+
+if TYPE_CHECKING:
+    from lmforge.distributed.launch import LaunchPlan, LaunchRequest
 
 
 def launch(
@@ -90,6 +97,8 @@ def launch(
 ) -> None:
     """Start distributed training: `lmforge train CONFIG k=v ...` on every worker, through torchrun
     (default), deepspeed or accelerate. A failed worker stops the others; the exit code is its exit code.
+    Out of memory with nothing left to halve, the workers stop (exit code 4) and are started again from the
+    newest complete checkpoint with the next rung of monitor.guard.oom_ladder on (oom_ladder.json in the run).
 
     Example: `lmforge launch examples/pretrain_tiny.yaml train.max_steps=50 --nproc-per-node 2 --dry-run`
 
@@ -98,6 +107,7 @@ def launch(
     """
     from lmforge.config import load_config
     from lmforge.distributed import launch as plan
+    from lmforge.train import oom_ladder
 
     apply_verbosity(verbose)  # the workers inherit it (LMFORGE_VERBOSE)
     from lmforge.distributed.hostfile import hostfile_layout
@@ -109,11 +119,12 @@ def launch(
         worker_overrides, engine_note = _engine_for_backend(
             backend, cfg.distributed.strategy, overrides or []
         )
+        taken, ladder_note = _rungs_taken_before(cfg)
         if backend == "deepspeed" and hostfile is not None:
             nnodes, master_addr = hostfile_layout(hostfile, nnodes, master_addr)
         request = plan.LaunchRequest(
             config=config,
-            overrides=worker_overrides,
+            overrides=[*worker_overrides, *oom_ladder.overrides_of(taken)],
             run_name=cfg.run.name,
             nproc_per_node=nproc_per_node if nproc_per_node is not None else plan.default_nproc_per_node(),
             nnodes=nnodes or "1",
@@ -134,8 +145,7 @@ def launch(
             target = slurm_out or cfg.run.output_dir / f"{cfg.run.name}.sbatch"
         else:
             launch_plan = plan.plan_launch(request)
-            if engine_note:
-                launch_plan.notes.insert(0, engine_note)
+            launch_plan.notes[:0] = [note for note in (engine_note, ladder_note) if note]
     except UserInputError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
@@ -163,17 +173,67 @@ def launch(
         return
     for note in launch_plan.notes:
         typer.echo(f"lmforge launch: {note}", err=True)
-    if request.backend in ("deepspeed", "accelerate"):
+    raise typer.Exit(_train_with_oom_ladder(request, launch_plan, cfg, worker_overrides, taken))
+
+
+def _train_with_oom_ladder(
+    request: LaunchRequest,
+    launch_plan: LaunchPlan,
+    cfg: LmforgeConfig,
+    overrides: list[str],
+    taken: list[dict[str, Any]],
+) -> int:
+    """Run the workers until they finish or fail. Each time they stop out of memory for the next
+    rung of the OOM ladder (train/oom_ladder.py), say so in one line and start them again with every
+    rung taken so far; they resume from the newest complete checkpoint."""
+    from lmforge.distributed import launch as plan
+    from lmforge.train import oom_ladder
+
+    os.environ[oom_ladder.DRIVER_ENV] = "1"  # the workers' too: they need not say how to go on
+    while True:
+        code, failure = _run_workers(request.backend, launch_plan)
+        now = oom_ladder.read_rungs(cfg.run.dir)
+        # A worker stops for the ladder with OOM_LADDER_EXIT, but a launcher may report its own code
+        # (accelerate: 1) or another rank's: what counts is a rung recorded during this attempt.
+        if code == 0 or now == taken:
+            for line in failure if code else []:
+                typer.echo(line, err=True)
+            return code
+        typer.echo(f"lmforge launch: {oom_ladder.restart_line(now[-1])}", err=True)
+        taken = now
+        restart = [*overrides, *oom_ladder.overrides_of(taken), *oom_ladder.RESTART_OVERRIDES]
+        request = replace(request, overrides=restart)
+        launch_plan = plan.plan_launch(request)
+
+
+def _run_workers(backend: str, launch_plan: LaunchPlan) -> tuple[int, list[str]]:
+    """One start of the workers: their exit code, and the lines that explain a failure."""
+    from lmforge.distributed import launch as plan
+
+    if backend in ("deepspeed", "accelerate"):
         code = plan.run_launcher(launch_plan)
-        if code:
-            typer.echo(f"error: the {request.backend} launcher exited with code {code}", err=True)
-        raise typer.Exit(code)
+        return code, [f"error: the {backend} launcher exited with code {code}"]
     code, failures = plan.run_torchrun(launch_plan)
-    if code:
-        typer.echo(f"error: distributed training failed ({len(failures)} worker(s)):", err=True)
-        for line in failures:
-            typer.echo(f"  {line}", err=True)
-    raise typer.Exit(code)
+    return code, [
+        f"error: distributed training failed ({len(failures)} worker(s)):",
+        *(f"  {line}" for line in failures),
+    ]
+
+
+def _rungs_taken_before(cfg: LmforgeConfig) -> tuple[list[dict[str, Any]], str | None]:
+    """The rungs of the OOM ladder this run took in earlier launches, which stay on (their
+    overrides join the workers' command), and a note naming them; none when run.overwrite
+    starts the run over."""
+    from lmforge.train.oom_ladder import LADDER_FILE, RUNG_WORDS, read_rungs
+
+    taken = [] if cfg.run.overwrite else read_rungs(cfg.run.dir)
+    if not taken:
+        return [], None
+    names = ", ".join(f"{RUNG_WORDS[r['rung']]} (out of memory at step {r.get('step')})" for r in taken)
+    return (
+        taken,
+        f"{cfg.run.dir / LADDER_FILE}: this run took rungs of the OOM ladder before; they stay on: {names}",
+    )
 
 
 def _engine_for_backend(backend: str, strategy: str, overrides: list[str]) -> tuple[list[str], str | None]:

@@ -2,7 +2,8 @@
 
 Exit codes: 0 success (also a run stopped by SIGTERM/SIGINT at a checkpoint); 2 bad config, data
 or usage (the message says what and where); 1 a failure during work (an export that fails its
-verification included); 3 a run stopped by its guardrails, with a checkpoint of the last good state.
+verification included); 3 a run stopped by its guardrails, with a checkpoint of the last good state;
+4 a run stopped out of memory for a restart one rung up the OOM ladder (`lmforge launch` restarts it).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ worker runs too), then its report; or the data stage alone."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +27,23 @@ def train(
 
     Example: `lmforge train examples/pretrain_tiny.yaml train.max_steps=50`
     """
+    from rich.markup import escape
+
     from lmforge.report import report_after_run
     from lmforge.sweep.trial import callbacks_from_env
+    from lmforge.train.oom_ladder import DRIVER_ENV, OOM_LADDER_EXIT, OomRestart
     from lmforge.train.runner import run_training
 
     apply_verbosity(verbose)
     cfg = load_config(config, overrides)
-    # A sweep's trial reports its eval metric to the study (and stops when the pruner says so).
-    outcome = run_training(cfg, after_run=report_after_run, extra_callbacks=callbacks_from_env())
+    try:
+        # A sweep's trial reports its eval metric to the study (and stops when the pruner says so).
+        outcome = run_training(cfg, after_run=report_after_run, extra_callbacks=callbacks_from_env())
+    except OomRestart as stop:
+        # Out of memory with nothing left to halve: the oom_ladder event said which rung is next.
+        if DRIVER_ENV not in os.environ:  # nobody restarts this process: say how to go on
+            console.print(f"[bold yellow]stopped[/] {escape(str(stop))}", highlight=False)
+        sys.exit(OOM_LADDER_EXIT)  # SystemExit: not recorded as a worker's error for the launcher
     if outcome.interrupted_by is not None:
         console.print(
             f"[bold yellow]stopped[/] by {outcome.interrupted_by} at step {outcome.steps} with a checkpoint; "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lmforge.config.schema import LmforgeConfig
+from lmforge.config.schema import ADAPTER_METHODS, LmforgeConfig
 
 CHAT_FORMATS = {"alpaca", "sharegpt", "messages"}
 PREFERENCE_STAGES = {"dpo", "kto", "rm"}
@@ -224,6 +224,104 @@ RULES: list[Rule] = [
         "monitor.profile.start_step",
         "the profiled window (monitor.profile.start_step to start_step + monitor.profile.steps - 1) ends after "
         "train.max_steps; lower monitor.profile.start_step or monitor.profile.steps, or raise train.max_steps",
+    ),
+    (
+        lambda c: c.train.warmup_ratio is not None and c.train.warmup_steps > 0,
+        "train.warmup_ratio",
+        "set one of train.warmup_steps and train.warmup_ratio (a share of all steps), not both",
+    ),
+    (
+        lambda c: c.train.min_lr_ratio > 0 and c.train.schedule not in ("cosine", "wsd"),
+        "train.min_lr_ratio",
+        "a minimum learning rate applies to schedule cosine or wsd; set train.schedule: cosine (or wsd), "
+        "or remove train.min_lr_ratio",
+    ),
+    (
+        lambda c: "decay_ratio" in c.train.model_fields_set and c.train.schedule != "wsd",
+        "train.decay_ratio",
+        "train.decay_ratio is the decay share of schedule wsd; set train.schedule: wsd or remove it",
+    ),
+    (
+        lambda c: c.train.optimizer.lora_plus_ratio is not None and c.train.method not in ADAPTER_METHODS,
+        "train.optimizer.lora_plus_ratio",
+        "LoRA+ gives the adapters' B matrices their own rate; it needs train.method lora, dora or qlora",
+    ),
+    (
+        lambda c: (
+            c.train.optimizer.lora_plus_ratio is not None and c.train.optimizer.name in ("galore", "muon")
+        ),
+        "train.optimizer.lora_plus_ratio",
+        "LoRA+ builds its own parameter groups and cannot combine with galore or muon, which build theirs; "
+        "use name adamw, adafactor, lion or adamw_8bit",
+    ),
+    (
+        lambda c: c.train.optimizer.name == "galore" and c.train.method != "full",
+        "train.optimizer.name",
+        "GaLore projects the gradients of full weight matrices; with adapters the matrices are already "
+        "low-rank: use train.method: full, or optimizer adamw",
+    ),
+    (
+        lambda c: (
+            c.train.optimizer.name in ("galore", "muon") and c.distributed.strategy in ("deepspeed", "fsdp")
+        ),
+        "train.optimizer.name",
+        "galore and muon step whole weight matrices, which DeepSpeed ZeRO and FSDP shard; use "
+        "distributed.strategy: ddp (or none), or optimizer adamw",
+    ),
+    (
+        lambda c: c.train.optimizer.name != "adamw" and c.distributed.strategy == "deepspeed",
+        "train.optimizer.name",
+        "DeepSpeed runs its own optimizer (distributed.deepspeed_config's optimizer section, AdamW by default); "
+        "use optimizer adamw with deepspeed, or distributed.strategy: fsdp / ddp",
+    ),
+    (
+        lambda c: c.train.chunked_cross_entropy and c.train.stage not in ("pretrain", "sft"),
+        "train.chunked_cross_entropy",
+        "the chunked loss is the next-token loss of stage pretrain and sft; the other stages compute their "
+        "own losses from the logits: remove train.chunked_cross_entropy",
+    ),
+    (
+        lambda c: c.train.chunked_cross_entropy and c.train.kernels == "liger",
+        "train.chunked_cross_entropy",
+        "with train.kernels: liger the loss is already Liger's fused linear cross-entropy, which never "
+        "builds the logits either; remove train.chunked_cross_entropy",
+    ),
+    (
+        lambda c: "checkpoint_every" in c.train.model_fields_set and not c.train.gradient_checkpointing,
+        "train.checkpoint_every",
+        "train.checkpoint_every selects the layers gradient checkpointing recomputes; set "
+        "train.gradient_checkpointing: true",
+    ),
+    (
+        lambda c: c.train.compile and c.distributed.strategy == "deepspeed",
+        "train.compile",
+        "torch.compile under DeepSpeed is DeepSpeed's own (deepspeed_config compile section); remove "
+        "train.compile or use distributed.strategy: fsdp / ddp",
+    ),
+    (
+        lambda c: c.train.compile and c.train.stage in RL_STAGES,
+        "train.compile",
+        "online RL alternates generation and training with changing shapes, which recompiles the model "
+        "every step; remove train.compile",
+    ),
+    (
+        lambda c: c.train.chunked_cross_entropy and c.train.compile,
+        "train.chunked_cross_entropy",
+        "torch.compile traces the model's forward once, and the chunked loss swaps the head around each "
+        "training forward (a retrace every step); choose one of train.compile and train.chunked_cross_entropy",
+    ),
+    (
+        lambda c: (
+            c.train.chunked_cross_entropy
+            and (
+                c.distributed.strategy == "fsdp"
+                or (c.distributed.strategy == "deepspeed" and c.distributed.zero_stage == 3)
+            )
+        ),
+        "train.chunked_cross_entropy",
+        "the chunked loss calls the output head chunk by chunk, also in backward, where FSDP and ZeRO-3 "
+        "have released its sharded weight; use distributed.strategy ddp or ZeRO-1/2, or remove "
+        "train.chunked_cross_entropy",
     ),
 ]
 

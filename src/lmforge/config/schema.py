@@ -391,6 +391,76 @@ class EarlyStoppingConfig(Section):
     )
 
 
+ADAPTER_METHODS = ("lora", "dora", "qlora")
+# Tokens per chunk of train.chunked_cross_entropy: at a 150k vocabulary one chunk's float32 logits
+# take 1024 x 150k x 4 B = 0.6 GB, where a micro-batch of 8 x 1024 tokens would take 4.9 GB at
+# once; chunks this long keep the head's matmul large enough to run at full speed.
+CHUNKED_LOSS_TOKENS = 1024
+OPTIMIZERS_ON_GPU_ONLY = ("paged_adamw_8bit", "paged_adamw_32bit")
+
+
+class GaloreConfig(Section):
+    rank: int = Field(128, ge=1, description="Rank of the gradient projection.")
+    update_interval: int = Field(
+        200, ge=1, description="Steps between recomputed projections (update_proj_gap)."
+    )
+    scale: float = Field(0.25, gt=0, description="Scale of the projected update (GaLore's alpha).")
+    targets: list[str] = Field(
+        default_factory=lambda: [r".*\.(self_attn|attn|attention|mlp)\..*"],
+        min_length=1,
+        description="Linear layers whose weights GaLore projects: module names containing one of these, or "
+        "regexes matching the whole name (transformers' optim_target_modules; default: the attention and "
+        "MLP projections); every other parameter is stepped by plain AdamW.",
+    )
+
+
+class MuonConfig(Section):
+    momentum: float = Field(0.95, gt=0, lt=1, description="Muon momentum.")
+    ns_steps: int = Field(5, ge=1, description="Newton-Schulz iterations that orthogonalise each update.")
+    adamw_lr: float = Field(
+        3e-4,
+        gt=0,
+        description="Peak rate of the parameters Muon leaves to AdamW (embeddings, the head, norms, biases); "
+        "train.lr is Muon's own (0.02 is common).",
+    )
+
+
+class OptimizerConfig(Section):
+    name: Literal[
+        "adamw", "adafactor", "lion", "galore", "muon", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"
+    ] = Field(
+        "adamw",
+        description="adamw (torch's fused AdamW); adafactor (factored second moments: less optimizer memory); "
+        "lion (sign updates, one moment; use a 3-10x lower lr); galore (GaLore AdamW: low-rank projected "
+        "gradients, settings in galore); muon (orthogonalised momentum for the 2-D hidden weights, AdamW "
+        "for the rest, settings in muon); adamw_8bit (bitsandbytes 8-bit states); paged_adamw_8bit / "
+        "paged_adamw_32bit (bitsandbytes paged states; CUDA GPU only).",
+    )
+    lora_plus_ratio: float | None = Field(
+        None,
+        gt=0,
+        description="LoRA+ (lora / dora / qlora runs): the adapters' B matrices learn this many times faster "
+        "than train.lr (16 is the paper's choice).",
+    )
+    galore: GaloreConfig = Field(default_factory=GaloreConfig, description="Settings for name=galore.")
+    muon: MuonConfig = Field(default_factory=MuonConfig, description="Settings for name=muon.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_alone(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _settings_of_the_chosen_one(self) -> OptimizerConfig:
+        for other in ("galore", "muon"):
+            if other in self.model_fields_set and self.name != other:
+                raise ValueError(
+                    f"train.optimizer.{other} holds settings of the {other} optimizer, but train.optimizer.name "
+                    f"is {self.name}; set name: {other} or remove the {other} section"
+                )
+        return self
+
+
 class TrainConfig(Section):
     stage: Literal["pretrain", "sft", "dpo", "kto", "rm", "grpo", "rloo"] = Field(
         "pretrain",
@@ -418,19 +488,88 @@ class TrainConfig(Section):
     micro_batch_size: int = Field(8, ge=1, description="Sequences per device per forward pass.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
     lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
-    schedule: Literal["cosine", "linear", "constant"] = Field(
-        "cosine", description="Learning-rate decay after warmup."
+    optimizer: OptimizerConfig = Field(
+        default_factory=OptimizerConfig,
+        description="The optimizer: a name (`train.optimizer: lion`) or a section with its settings "
+        "(`{name: galore, galore: {rank: 64}}`).",
+    )
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine",
+        description="Learning-rate decay after warmup: cosine, linear, constant, or wsd (warmup-stable-decay: "
+        "the peak rate until the last train.decay_ratio of the steps, then a cosine decay; common for "
+        "pretraining).",
+    )
+    min_lr_ratio: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="cosine and wsd: decay to this fraction of train.lr instead of to 0 (0.1 is common).",
+    )
+    decay_ratio: float = Field(
+        0.1, gt=0, le=1, description="wsd: the share of all steps spent decaying, at the end of the run."
     )
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    adam_beta2: float = Field(0.999, gt=0, lt=1, description="AdamW beta2 (0.95 is common for pretraining).")
+    warmup_ratio: float | None = Field(
+        None,
+        ge=0,
+        lt=1,
+        description="Linear warmup as a share of all steps (instead of train.warmup_steps; 0.03 is common).",
+    )
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay (AdamW, Lion, GaLore, Muon).")
+    adam_beta2: float = Field(
+        0.999,
+        gt=0,
+        lt=1,
+        description="AdamW beta2 (0.95 is common for pretraining); Lion's beta2 too (0.99 is common there).",
+    )
     max_grad_norm: float = Field(1.0, ge=0, description="Clip gradients to this global norm (0 disables).")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto",
         description="Mixed precision; auto picks bf16 where the device supports it (CPUs included), else fp32.",
     )
     gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in backward to save memory."
+        False,
+        description="Recompute activations in backward to save memory (non-reentrant torch.utils.checkpoint "
+        "unless train.checkpoint_reentrant).",
+    )
+    checkpoint_every: int = Field(
+        1,
+        ge=1,
+        description="With gradient_checkpointing: recompute only every Nth decoder layer (selective "
+        "checkpointing; 1: every layer). Fewer recomputed layers run faster and keep more activations.",
+    )
+    checkpoint_reentrant: bool = Field(
+        False,
+        description="Use the reentrant checkpoint implementation (older; needs inputs that require grad).",
+    )
+    activation_offload: bool = Field(
+        False,
+        description="Keep the activations saved for backward in CPU memory (torch.autograd.graph.save_on_cpu) "
+        "instead of device memory; costs a copy each way per layer. For GPU runs.",
+    )
+    chunked_cross_entropy: bool = Field(
+        False,
+        description="Compute the next-token loss over chunks of tokens, each chunk's logits recomputed in "
+        "backward, so the full (tokens x vocabulary) logits never exist at once (pretrain and sft; a "
+        "150k-vocabulary model's logits dominate activation memory). With train.kernels liger, Liger's "
+        "fused linear cross-entropy does this on the GPU.",
+    )
+    kernels: Literal["none", "liger"] = Field(
+        "none",
+        description="Fused kernels: liger (Liger's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy; "
+        "CUDA GPU and the liger-kernel package).",
+    )
+    compile: bool = Field(
+        False, description="torch.compile the model (CPU and GPU; the first steps compile)."
+    )
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
+        "default", description="torch.compile mode with train.compile."
+    )
+    empty_cache_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Release the device's cached memory every N steps (torch_empty_cache_steps: less "
+        "fragmentation, about 10% slower).",
     )
     log_every: int = Field(1, ge=1, description="Log metrics every N optimizer steps.")
     eval_every: int | None = Field(
@@ -504,6 +643,7 @@ AlertKind = Literal[
     "rollback",
     "stall",
     "oom_backoff",
+    "oom_ladder",
     "data_bound",
     "finished",
     "failed",
@@ -542,6 +682,10 @@ class PrometheusConfig(Section):
     port: int = Field(9400, ge=0, le=65535, description="Port (0: any free port).")
 
 
+OomRung = Literal["gradient_checkpointing", "chunked_cross_entropy", "activation_offload", "offload"]
+OOM_RUNGS: tuple[str, ...] = OomRung.__args__  # type: ignore[attr-defined]
+
+
 class GuardConfig(Section):
     nonfinite: Literal["skip", "rollback", "stop"] = Field(
         "skip",
@@ -571,6 +715,14 @@ class GuardConfig(Section):
     oom_backoff: bool = Field(
         True,
         description="On out-of-memory: halve the micro-batch, double accumulation (same global batch), go on.",
+    )
+    oom_ladder: list[OomRung] = Field(
+        default_factory=lambda: cast(list[OomRung], list(OOM_RUNGS)),
+        description="When out of memory with nothing left to halve (micro-batch 1, or any distributed run): "
+        "`lmforge launch` restarts from the last complete checkpoint with the next rung switched on, in this "
+        "order, skipping rungs already on: gradient_checkpointing, chunked_cross_entropy, activation_offload, "
+        "offload (distributed.offload: FSDP2 parameters and optimizer on CPU, DeepSpeed optimizer states on "
+        "CPU). Each restart is an oom_ladder event; [] stops at the first such out-of-memory.",
     )
     stall_seconds: float | None = Field(
         900.0, gt=0, description="No step for this long: dump every thread's stack and alert (null: off)."
@@ -704,7 +856,9 @@ class ExportConfig(Section):
 class FaultConfig(Section):
     kind: Literal["nan", "spike", "slow_data", "oom", "hang", "crash", "disk_full"] = Field(
         description="nan: the loss becomes NaN; spike: the loss is multiplied by `factor`; slow_data: the data "
-        "loader sleeps `seconds`; oom: an out-of-memory error is raised; hang: the step sleeps `seconds`; "
+        "loader sleeps `seconds`; oom: an out-of-memory error is raised (the micro-batch back-off halves the "
+        "micro-batch; at micro-batch 1 or in a distributed run monitor.guard.oom_ladder takes over; the fault "
+        "fires only while the run has taken no rung of the ladder, as if the rung had freed the memory); hang: the step sleeps `seconds`; "
         "crash: the step raises an error (with `rank`, one worker of a distributed run dies); disk_full: "
         "the checkpoint of that step fails with 'No space left on device' after its files were written."
     )

@@ -287,13 +287,51 @@ def describe_optimizer_and_schedule(config: dict[str, Any], train: TrainConfig) 
     opt = (
         f"optimizer: DeepSpeed {optimizer['type']} from your JSON (lr {optimizer['params'].get('lr')})"
         if optimizer
-        else f"optimizer: AdamW (lr {train.lr:g})"
+        else f"optimizer: {_optimizer_words(train)}"
     )
     if not scheduler:
-        sched = f"lr schedule: {train.schedule} after {train.warmup_steps} warmup steps (train.schedule)"
+        sched = f"lr schedule: {_schedule_words(train)} (train.schedule)"
     else:
         sched = f"lr schedule: DeepSpeed {scheduler['type']} from your JSON, " + _scheduler_shape(scheduler)
     return f"{opt}; {sched}"
+
+
+_OPTIMIZER_WORDS = {
+    "adamw": "AdamW",
+    "adafactor": "Adafactor",
+    "lion": "Lion",
+    "galore": "GaLore AdamW",
+    "muon": "Muon",
+    "adamw_8bit": "8-bit AdamW",
+    "paged_adamw_8bit": "paged 8-bit AdamW",
+    "paged_adamw_32bit": "paged AdamW",
+}
+
+
+def _optimizer_words(train: TrainConfig) -> str:
+    optimizer = train.optimizer
+    words = f"{_OPTIMIZER_WORDS[optimizer.name]} (lr {train.lr:g})"
+    if optimizer.name == "galore":
+        galore = optimizer.galore
+        words += f", rank {galore.rank} every {galore.update_interval} steps on {', '.join(galore.targets)}"
+    if optimizer.name == "muon":
+        words += f" on the hidden matrices, AdamW (lr {optimizer.muon.adamw_lr:g}) on the rest"
+    if optimizer.lora_plus_ratio is not None:
+        words += f", LoRA+ (B matrices at {optimizer.lora_plus_ratio:g}x lr)"
+    return words
+
+
+def _schedule_words(train: TrainConfig) -> str:
+    warmup = (
+        f"a warmup over {train.warmup_ratio:.0%} of the steps"
+        if train.warmup_ratio is not None
+        else f"{train.warmup_steps} warmup steps"
+    )
+    shape = {
+        "wsd": f"warmup-stable-decay (the last {train.decay_ratio:.0%} of the steps decay)",
+    }.get(train.schedule, train.schedule)
+    floor = f" to {train.min_lr_ratio:g} x lr" if train.min_lr_ratio > 0 else ""
+    return f"{shape}{floor} after {warmup}"
 
 
 def _scheduler_shape(scheduler: dict[str, Any]) -> str:

@@ -24,6 +24,13 @@ The logits term: b*s*V logits in the compute dtype, their fp32 upcast for the lo
 when already fp32), the fp32 log-softmax cross entropy saves, and during backward two more
 fp32 b*s*V gradients (of the log-softmax and of the logits) while every activation is still
 alive -- the lm_head's backward runs first, so this is where the step peaks.
+
+The recipe moves these terms: the optimizer's own state replaces AdamW's 8 bytes of moments per
+parameter (Lion 4, 8-bit AdamW 2, Adafactor's factored moments ~0, Muon 4 on the hidden
+matrices, GaLore 12r/h on its projected matrices); selective checkpointing
+(train.checkpoint_every N) keeps whole layers between the checkpointed ones; activation
+offload leaves one layer's working set on the device (the rest waits in host memory); the
+chunked cross-entropy holds one chunk's fp32 logits and their gradients instead of the batch's.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from lmforge.config.schema import LmforgeConfig
+from lmforge.config.schema import CHUNKED_LOSS_TOKENS, LmforgeConfig, OptimizerConfig
 from lmforge.errors import UserInputError
 from lmforge.models.build import architecture_kwargs
 from lmforge.models.presets import POSITION_KEYS
@@ -68,6 +75,7 @@ class ModelShape:
     kv_size: int
     intermediate_size: int
     vocab_size: int
+    embedding_params: int = 0  # input embeddings and output head (once when tied)
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,14 @@ class Estimate:
     activations_checkpointing: int
     strategies: list[StrategyMemory]
     recommended: str | None
+    optimizer: str = "adamw"
+    optimizer_state_bytes_per_param: float = 8.0
+    checkpoint_every: int = 1
+    activation_offload: bool = False
+    activations_offloaded_to_cpu: int = 0
+    chunked_cross_entropy: bool = False
+    logits_full: int = 0
+    logits_chunked: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,6 +128,12 @@ def model_shape(config: LmforgeConfig) -> ModelShape:
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=config.model.trust_remote_code)
     total = sum(p.numel() for p in model.parameters())  # parameters() dedups tied weights
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    embeddings = {
+        id(p): p.numel()
+        for module in (model.get_input_embeddings(), model.get_output_embeddings())
+        if module is not None
+        for p in module.parameters()
+    }
     return ModelShape(
         total_params=total,
         largest_layer_params=largest,
@@ -126,6 +148,7 @@ def model_shape(config: LmforgeConfig) -> ModelShape:
             or 4 * hf_config.hidden_size
         ),
         vocab_size=int(hf_config.vocab_size),
+        embedding_params=sum(embeddings.values()),
     )
 
 
@@ -156,9 +179,19 @@ def _vocab_size(config: LmforgeConfig) -> int:
 
 
 def activation_bytes(
-    shape: ModelShape, *, batch: int, seq: int, weight_bytes: int, checkpointing: bool, sdpa: bool
+    shape: ModelShape,
+    *,
+    batch: int,
+    seq: int,
+    weight_bytes: int,
+    checkpointing: bool,
+    sdpa: bool,
+    every: int = 1,
+    offload: bool = False,
 ) -> int:
-    """Saved activations of all decoder layers for one micro-batch (see the module docstring)."""
+    """Saved activations of all decoder layers for one micro-batch on the device (see the module
+    docstring): with checkpointing every `every`-th layer keeps only its input; with offload
+    only the layer being computed holds its activations there."""
     tokens, h = batch * seq, shape.hidden_size
     per_layer = tokens * (7 * h + 2 * shape.kv_size + 4 * shape.intermediate_size) * weight_bytes
     if not sdpa:
@@ -166,9 +199,39 @@ def activation_bytes(
         # p=0), plus the fp32 softmax kept under mixed precision: Korthikanti's 5 bytes in 16-bit.
         score_bytes = 2 * weight_bytes + 1 + (0 if weight_bytes == 4 else 4)
         per_layer += batch * shape.num_heads * seq * seq * score_bytes
+    if offload:
+        return per_layer
     if checkpointing:
-        return shape.num_layers * tokens * h * weight_bytes + per_layer
+        recomputed = -(-shape.num_layers // every)  # layers 0, every, 2 x every, ...
+        kept = shape.num_layers - recomputed
+        return recomputed * tokens * h * weight_bytes + kept * per_layer + per_layer
     return shape.num_layers * per_layer
+
+
+def chunked_logits_bytes(shape: ModelShape, *, batch: int, seq: int) -> int:
+    """The chunked cross-entropy: one chunk's fp32 logits, its log-softmax and the two fp32
+    gradients, recomputed chunk by chunk in backward."""
+    n = min(CHUNKED_LOSS_TOKENS, batch * seq) * shape.vocab_size
+    return 4 * n + 4 * n + 8 * n
+
+
+def optimizer_state_bytes(shape: ModelShape, optimizer: OptimizerConfig) -> float:
+    """Bytes per parameter of the optimizer's own state (AdamW: two fp32 moments, 8)."""
+    p = max(shape.total_params, 1)
+    hidden = max(shape.total_params - shape.embedding_params, 0)  # the 2-D matrices of the layers
+    rest = p - hidden
+    if optimizer.name in ("adamw_8bit", "paged_adamw_8bit"):
+        return 2.0
+    if optimizer.name == "lion":
+        return 4.0
+    if optimizer.name == "adafactor":
+        return 0.0  # factored second moments (rows + columns), no first moment
+    if optimizer.name == "muon":
+        return (4 * hidden + 8 * rest) / p  # one momentum buffer; AdamW for embeddings and head
+    if optimizer.name == "galore":
+        projected = min(12 * optimizer.galore.rank / shape.hidden_size, 8.0)
+        return (projected * hidden + 8 * rest) / p
+    return 8.0
 
 
 def logits_bytes(shape: ModelShape, *, batch: int, seq: int, weight_bytes: int) -> int:
@@ -179,12 +242,14 @@ def logits_bytes(shape: ModelShape, *, batch: int, seq: int, weight_bytes: int) 
 
 
 def model_states(
-    shape: ModelShape, strategy: str, *, gpus_per_node: int, nodes: int, mixed: bool
+    shape: ModelShape, strategy: str, *, gpus_per_node: int, nodes: int, mixed: bool, moments: float = 8.0
 ) -> tuple[int, int]:
-    """(GPU bytes per device, CPU bytes per node) of weights, grads and AdamW states."""
+    """(GPU bytes per device, CPU bytes per node) of weights, grads and optimizer states
+    (`moments`: the optimizer's bytes per parameter, AdamW's 8 by default)."""
     p, n_gpu = shape.total_params, gpus_per_node * nodes
     w = 2 if mixed else 4  # bytes of the weights the model computes with
-    optim_side = 18 if mixed else 12  # DeepSpeed's partitionable bytes per parameter
+    # DeepSpeed's partitionable bytes per parameter, with the optimizer's moments for AdamW's 8.
+    optim_side = int(round((18 if mixed else 12) - 8 + moments))
     largest = 4 * shape.largest_layer_params
     if strategy == "ddp":
         return w * p + optim_side * p, int(4 * p * gpus_per_node * CPU_BUFFER_FACTOR)
@@ -215,16 +280,30 @@ def estimate_memory(config: LmforgeConfig, *, gpus: int, gpu_mem_bytes: int | No
     w = 2 if mixed else 4
     batch, seq = config.train.micro_batch_size, config.data.max_length
     sdpa = config.model.attn_implementation != "eager"
+    train = config.train
+    every = train.checkpoint_every
     acts = {
-        ckpt: activation_bytes(shape, batch=batch, seq=seq, weight_bytes=w, checkpointing=ckpt, sdpa=sdpa)
+        ckpt: activation_bytes(
+            shape, batch=batch, seq=seq, weight_bytes=w, checkpointing=ckpt, sdpa=sdpa, every=every
+        )
         for ckpt in (False, True)
     }
-    activations = acts[config.train.gradient_checkpointing]
-    logits = logits_bytes(shape, batch=batch, seq=seq, weight_bytes=w)
+    activations = acts[train.gradient_checkpointing]
+    offloaded = 0
+    if train.activation_offload:
+        on_device = activation_bytes(
+            shape, batch=batch, seq=seq, weight_bytes=w, checkpointing=False, sdpa=sdpa, offload=True
+        )
+        offloaded, activations = activations - on_device, on_device
+    full_logits = logits_bytes(shape, batch=batch, seq=seq, weight_bytes=w)
+    chunked_logits = chunked_logits_bytes(shape, batch=batch, seq=seq)
+    logits = chunked_logits if train.chunked_cross_entropy else full_logits
+    moments = optimizer_state_bytes(shape, train.optimizer)
     budget = None if gpu_mem_bytes is None else gpu_mem_bytes * (1 - HEADROOM)
     rows = []
     for name in STRATEGY_ORDER:
-        gpu, cpu = model_states(shape, name, gpus_per_node=gpus, nodes=nodes, mixed=mixed)
+        gpu, cpu = model_states(shape, name, gpus_per_node=gpus, nodes=nodes, mixed=mixed, moments=moments)
+        cpu += offloaded * gpus
         total = gpu + activations + logits
         rows.append(
             StrategyMemory(
@@ -246,4 +325,12 @@ def estimate_memory(config: LmforgeConfig, *, gpus: int, gpu_mem_bytes: int | No
         activations_checkpointing=acts[True],
         strategies=rows,
         recommended=recommended,
+        optimizer=train.optimizer.name,
+        optimizer_state_bytes_per_param=moments,
+        checkpoint_every=every,
+        activation_offload=train.activation_offload,
+        activations_offloaded_to_cpu=offloaded,
+        chunked_cross_entropy=train.chunked_cross_entropy,
+        logits_full=full_logits,
+        logits_chunked=chunked_logits,
     )

@@ -16,12 +16,11 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
 from transformers import BitsAndBytesConfig, PreTrainedModel
 
-from lmforge.config.schema import ModelConfig, TrainConfig
+from lmforge.config.schema import ADAPTER_METHODS, ModelConfig, TrainConfig
 from lmforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 
-ADAPTER_METHODS = ("lora", "dora", "qlora")
 Head = Literal["causal", "score"]
 
 

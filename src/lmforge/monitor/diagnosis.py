@@ -48,6 +48,7 @@ def diagnose_run(run_dir: Path) -> list[Finding]:
     for check in (
         _nonfinite,
         _oom,
+        _oom_ladder,
         _stall,
         _rollback,
         _failed,
@@ -112,6 +113,26 @@ def _oom(run: RunView) -> list[Finding]:
             changes,
             "start with the smaller micro-batch (same global batch through accumulation) instead of backing off at run "
             "time; on several GPUs shard with ZeRO-3 or FSDP (`lmforge estimate CONFIG` shows memory per strategy).",
+        )
+    ]
+
+
+def _oom_ladder(run: RunView) -> list[Finding]:
+    events = run.events_of("oom_ladder")
+    if not events:
+        return []
+    changes = list(dict.fromkeys(str(o) for e in events for o in e.get("overrides", [])))
+    taken = ", ".join(f"{e.get('rung')} at step {e.get('step')}" for e in events)
+    return [
+        Finding(
+            "oom_ladder",
+            "warning",
+            "out of memory with nothing left to halve: the run was restarted with memory savers on",
+            f"{len(events)} oom_ladder event(s): {taken}",
+            changes,
+            "put these settings in the config so that the next run starts with them instead of training again "
+            "the steps since the last checkpoint; a shorter data.max_length or more devices leave more room "
+            "(`lmforge estimate CONFIG` shows memory per device for each strategy).",
         )
     ]
 

@@ -105,6 +105,13 @@ def alert_rules() -> dict[str, Any]:
             "Out of memory: the micro-batch was halved (throughput drops).",
         ),
         _rule(
+            "LmforgeOomLadder",
+            _events("oom_ladder", "1h"),
+            "0m",
+            "warning",
+            "Out of memory at micro-batch 1: the run restarts from its last checkpoint with a memory saver on.",
+        ),
+        _rule(
             "LmforgeDataBound",
             "avg_over_time(lmforge_data_wait_share[10m]) > 0.3",
             "10m",

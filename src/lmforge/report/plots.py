@@ -25,6 +25,7 @@ EVENT_COLORS = {
     "skip": "#bcbd22",
     "rollback": "#9467bd",
     "oom_backoff": "#8c564b",
+    "oom_ladder": "#5a3427",
     "stall": "#7f7f7f",
     "data_bound": "#17becf",
     "signal": "#1f77b4",

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from transformers import TrainingArguments
 
-from lmforge.config.schema import TrainConfig, lower_is_better
+from lmforge.config.schema import OptimizerConfig, TrainConfig, lower_is_better
 from lmforge.run_layout import RunPaths
 from lmforge.verbosity import is_verbose
 
@@ -44,15 +44,18 @@ def build_training_arguments(
         per_device_eval_batch_size=cfg.micro_batch_size,
         gradient_accumulation_steps=cfg.grad_accum,
         learning_rate=cfg.lr,
-        lr_scheduler_type=cfg.schedule,
-        warmup_steps=cfg.warmup_steps,
+        **schedule_arguments(cfg),
         weight_decay=cfg.weight_decay,
         adam_beta2=cfg.adam_beta2,
         max_grad_norm=cfg.max_grad_norm,
+        **optimizer_arguments(cfg.optimizer),
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         use_cpu=not use_cuda,
-        activation_checkpointing=cfg.gradient_checkpointing,
+        **memory_arguments(cfg, on_gpu=use_cuda),
+        torch_compile=cfg.compile,
+        torch_compile_mode=cfg.compile_mode if cfg.compile else None,
+        use_liger_kernel=cfg.kernels == "liger",
         logging_strategy="steps",
         logging_steps=cfg.log_every,
         logging_first_step=True,
@@ -94,3 +97,67 @@ def _early_stopping_arguments(cfg: TrainConfig) -> dict[str, Any]:
         return {}
     metric = cfg.early_stopping.metric
     return {"metric_for_best_model": metric, "greater_is_better": not lower_is_better(metric)}
+
+
+# train.optimizer.name -> transformers' `optim` name. Muon is not among transformers' optimizers:
+# LmforgeTrainer builds it (train/optimizers.py) and `optim` only names what the record shows.
+OPTIM_NAMES = {
+    "adamw": "adamw_torch_fused",  # torch's fused kernel, on CPUs as well as GPUs
+    "adafactor": "adafactor",
+    "lion": "lion_32bit",  # bitsandbytes' Lion (it runs on CPUs too)
+    "galore": "galore_adamw",
+    "muon": "adamw_torch_fused",
+    "adamw_8bit": "adamw_8bit",
+    "paged_adamw_8bit": "paged_adamw_8bit",
+    "paged_adamw_32bit": "paged_adamw_32bit",
+}
+
+
+def optimizer_arguments(optimizer: OptimizerConfig) -> dict[str, Any]:
+    values: dict[str, Any] = {"optim": OPTIM_NAMES[optimizer.name]}
+    if optimizer.name == "galore":
+        galore = optimizer.galore
+        values["optim_target_modules"] = galore.targets
+        values["optim_args"] = (
+            f"rank={galore.rank},update_proj_gap={galore.update_interval},scale={galore.scale}"
+        )
+    return values
+
+
+def schedule_arguments(cfg: TrainConfig) -> dict[str, Any]:
+    """HF's scheduler name and settings. WSD's decay length is a share of all steps, which HF
+    knows only once training starts: LmforgeTrainer turns `decay_ratio` into steps then."""
+    warmup: float = cfg.warmup_ratio if cfg.warmup_ratio is not None else cfg.warmup_steps
+    if cfg.schedule == "wsd":
+        return {
+            "lr_scheduler_type": "warmup_stable_decay",
+            "lr_scheduler_kwargs": {"decay_ratio": cfg.decay_ratio, "min_lr_ratio": cfg.min_lr_ratio},
+            "warmup_steps": warmup,
+        }
+    if cfg.schedule == "cosine" and cfg.min_lr_ratio > 0:
+        return {
+            "lr_scheduler_type": "cosine_with_min_lr",
+            "lr_scheduler_kwargs": {"min_lr_rate": cfg.min_lr_ratio},
+            "warmup_steps": warmup,
+        }
+    return {"lr_scheduler_type": cfg.schedule, "warmup_steps": warmup}
+
+
+def memory_arguments(cfg: TrainConfig, *, on_gpu: bool) -> dict[str, Any]:
+    """Activation checkpointing through transformers' own switch: every Nth decoder layer
+    (`every_n_layers`), torch's non-reentrant checkpoint by default, and with activation offload
+    the checkpointed layers' inputs in host memory (the rest of the activations are moved by
+    LmforgeTrainer's save_on_cpu)."""
+    values: dict[str, Any] = {
+        "activation_checkpointing": cfg.gradient_checkpointing,
+        "torch_empty_cache_steps": cfg.empty_cache_steps,
+    }
+    if cfg.gradient_checkpointing:
+        values["activation_checkpointing_kwargs"] = {
+            "use_reentrant": cfg.checkpoint_reentrant,
+            "every_n_layers": cfg.checkpoint_every,
+            # transformers' offload pins host memory, which needs an accelerator; on a CPU the
+            # save_on_cpu around the forward already holds every saved tensor.
+            "offload": cfg.activation_offload and on_gpu,
+        }
+    return values

@@ -31,6 +31,7 @@ from lmforge.train.console_progress import ConsoleProgress
 from lmforge.train.eval_generations import eval_generations_callbacks
 from lmforge.train.guard_callback import GuardCallback
 from lmforge.train.histograms import HistogramCallback
+from lmforge.train.memory_savers import check_chunked_loss_fits
 from lmforge.train.profiling import ProfileCallback
 from lmforge.train.rl_samples import RlSamples
 from lmforge.train.rl_stage import RL_STAGES
@@ -81,6 +82,8 @@ def assemble_trainer(
 ) -> Trainer:
     """The stage's HF / TRL trainer with lmforge's callbacks, in the order they must run."""
     has_eval = data.eval is not None and len(data.eval) > 0  # type: ignore[arg-type]
+    if cfg.train.chunked_cross_entropy:
+        check_chunked_loss_fits(model)
     watched = cfg.monitor.enabled
     comm = comm_timing(cfg.monitor, plan.engine, plan.world.size)  # None unless distributed and watched
     comm_record = comm.take_window if comm is not None else dict
@@ -170,4 +173,5 @@ def assemble_trainer(
         trainer.remove_callback(PrinterCallback)  # HF's print of raw log dicts (disable_tqdm adds it)
     # final/ is written in model.dtype whatever the engine trained in (DeepSpeed: a 16-bit copy).
     trainer.weights_dtype = DTYPES[cfg.model.dtype]  # type: ignore[attr-defined]
+    trainer.train_settings = cfg.train  # type: ignore[attr-defined]  # recipe HF cannot build (train/trainer.py)
     return trainer

@@ -25,14 +25,21 @@ class Drills:
     faults: list[FaultConfig] = field(default_factory=list)
     kill_at_step: int | None = None
     rank: int = 0
+    # The run took a rung of the OOM ladder (train/oom_ladder.py): an oom drill models memory that
+    # the rung freed, so it no longer fires and the restarted attempt runs through.
+    oom_ladder_climbed: bool = False
     _fired: set[tuple[str, int]] = field(default_factory=set)
 
     @classmethod
-    def from_config(cls, debug: DebugConfig) -> Drills:
-        return cls(faults=list(debug.faults), kill_at_step=debug.crash_at_step)
+    def from_config(cls, debug: DebugConfig, *, oom_ladder_climbed: bool = False) -> Drills:
+        return cls(
+            faults=list(debug.faults), kill_at_step=debug.crash_at_step, oom_ladder_climbed=oom_ladder_climbed
+        )
 
     def due(self, kind: str, step: int) -> FaultConfig | None:
         """The drill of `kind` due at optimizer step `step` (1-based) on this rank, if any."""
+        if kind == "oom" and self.oom_ladder_climbed:
+            return None
         for fault in self.faults:
             if fault.kind == kind and fault.step == step and fault.rank in (None, self.rank):
                 if kind in _ONE_OFF and (kind, step) in self._fired:

@@ -212,6 +212,7 @@ def build_train_step(
     *,
     update_in_backward: bool = False,
     precision: str = "fp32",
+    oom_ladder_climbed: bool = False,
 ) -> TrainStep:
     """The run's step: its guardrails (state restored from `resume`; none when monitoring is off),
     drills and the constants its metrics need.
@@ -220,7 +221,8 @@ def build_train_step(
     the guard sees the step's gradient norm, so a bad step can be neither skipped nor rolled
     back in the process (the engine cannot be re-initialised): the run stops, and the newest
     complete checkpoint is the last good state; the same launch command resumes from it.
-    `precision`: the resolved train.precision, whose matmul peak MFU is measured against."""
+    `precision`: the resolved train.precision, whose matmul peak MFU is measured against.
+    `oom_ladder_climbed`: the run took a rung of the OOM ladder; oom drills no longer fire."""
     settings = cfg.monitor.guard
     online_rl = cfg.train.stage in ("grpo", "rloo")
     if update_in_backward:
@@ -254,7 +256,7 @@ def build_train_step(
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     return TrainStep(
         guardrails,
-        Drills.from_config(cfg.debug),
+        Drills.from_config(cfg.debug, oom_ladder_climbed=oom_ladder_climbed),
         # Online RL's micro-batches are generated completions in whole groups: not split in chunks.
         oom_backoff=cfg.monitor.enabled and settings.oom_backoff and not online_rl,
         flops_per_token=per_token,

@@ -16,9 +16,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lmforge.config.schema import RlConfig, TrainConfig
+from lmforge.config.schema import ADAPTER_METHODS, RlConfig, TrainConfig
 from lmforge.errors import UserInputError
-from lmforge.models.methods import ADAPTER_METHODS
 from lmforge.run_layout import RunPaths
 from lmforge.train.rewards import RewardSet, build_reward_functions
 

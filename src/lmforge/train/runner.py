@@ -24,10 +24,11 @@ from lmforge.ckpt.safe_load import no_code_from_checkpoints
 from lmforge.config import LmforgeConfig, dump_config
 from lmforge.config.schema import MonitorConfig
 from lmforge.distributed.strategy import Plan, plan_for
-from lmforge.errors import TrainingStopped, explain_write_failure
+from lmforge.errors import TrainingStopped, WorkFailed, explain_write_failure
 from lmforge.evaluate.samples import sample_generations
 from lmforge.models.build import build_model, count_parameters
 from lmforge.models.methods import Head, apply_training_method, quantization_for
+from lmforge.monitor.events import EventLog
 from lmforge.monitor.metrics import MetricsLog
 from lmforge.monitor.run_monitor import open_run_monitor
 from lmforge.run_layout import RunPaths, read_json_object
@@ -38,6 +39,8 @@ from lmforge.train.callbacks import (
 )
 from lmforge.train.final import save_final
 from lmforge.train.guard_callback import GuardCallback, attach_train_step, build_train_step
+from lmforge.train.memory_savers import describe_memory_savers
+from lmforge.train.oom_ladder import OomRestart, TrainingEngine, climb, forget_rungs, read_rungs
 from lmforge.train.outcome import TrainOutcome, outcome_of
 from lmforge.train.precision import resolve_precision
 from lmforge.train.preflight import check_runs_here
@@ -49,6 +52,7 @@ from lmforge.train.run_log import run_log
 from lmforge.train.run_setup import RunSetup, clear_partial_writes, set_up_run
 from lmforge.train.rundir import make_run_dir
 from lmforge.train.stages import needs_reference_model
+from lmforge.train.step import OutOfMemoryGivenUp
 from lmforge.upstream import quiet_progress_bars, route_deepspeed_logs
 from lmforge.verbosity import is_verbose
 
@@ -72,6 +76,9 @@ def run_training(
     plan = plan_for(cfg, precision=resolve_precision(cfg.train.precision, use_cuda=on_gpu), on_gpu=on_gpu)
     log.info("distributed: %s", plan.describe())
     log.info("%s", plan.optimizer_and_schedule(cfg.train))
+    savers = describe_memory_savers(cfg.train)
+    if savers:
+        log.info("memory savers: %s", savers)
     paths = RunPaths(cfg.run.dir)
     lock = RunLock(paths.root)
     if plan.world.is_main:  # one launch, one holder: rank 0 holds it for every worker
@@ -95,6 +102,8 @@ def _run_locked(
     extra_callbacks: list[TrainerCallback],
     after_run: Callable[[Path], None],
 ) -> TrainOutcome:
+    if cfg.run.overwrite and plan.world.is_main:  # before set_up_run, which the other ranks wait for
+        forget_rungs(paths.root)
     setup = set_up_run(cfg, plan, paths)
     if setup.start.finished is not None:
         return _already_finished(cfg, paths, setup.start.finished, is_main=plan.world.is_main)
@@ -148,12 +157,14 @@ def _train_run(
         resume_step=resume.step if resume else None,
     )
     events = monitor.events
+    rungs_before = read_rungs(paths.root)  # the OOM ladder's rungs this run took before this start
     step = build_train_step(
         cfg,
         model,
         resume.path if resume else None,
         update_in_backward=plan.engine == "deepspeed",
         precision=plan.precision,
+        oom_ladder_climbed=bool(rungs_before),
     )
     guard = GuardCallback(
         step,
@@ -185,10 +196,12 @@ def _train_run(
     except BaseException as err:
         if rank0:
             clear_partial_writes(paths)
-        failure = explain_write_failure(err)
+        ladder = _oom_ladder_stop(err, cfg, plan, paths, events, rungs_before)
+        failure = ladder or explain_write_failure(err)
         if rank0:
-            kind = "stopped" if isinstance(err, TrainingStopped) else "failed"
-            events.emit(kind, trainer.state.global_step, str(failure or f"{type(err).__name__}: {err}"))
+            if ladder is None:  # the ladder recorded its own event
+                kind = "stopped" if isinstance(err, TrainingStopped) else "failed"
+                events.emit(kind, trainer.state.global_step, str(failure or f"{type(err).__name__}: {err}"))
             after_run(paths.root)
         if failure is not None:
             raise failure from None
@@ -296,6 +309,31 @@ def _metrics_summary(trainer: Trainer) -> dict[str, float]:
 
 def _target(cfg: LmforgeConfig) -> str:
     return f"step {cfg.train.max_steps}" if cfg.train.max_steps else f"{cfg.train.epochs:g} epochs"
+
+
+def _oom_ladder_stop(
+    err: BaseException,
+    cfg: LmforgeConfig,
+    plan: Plan,
+    paths: RunPaths,
+    events: EventLog,
+    rungs_before: list[dict[str, Any]],
+) -> WorkFailed | None:
+    """How the run stops for the OOM ladder (train/oom_ladder.py), or None when `err` is no
+    business of the ladder's: this rank ran out of memory with nothing left to halve; or another
+    rank did and recorded the next rung, and `err` is only the echo here (a collective with the
+    rank that left fails), which is neither a failure nor a traceback to show."""
+    if isinstance(err, OutOfMemoryGivenUp):
+        summary = plan.summary()
+        engine = TrainingEngine(
+            plan.engine, summary["zero_stage"], summary["offload"], torch.cuda.is_available()
+        )
+        return climb(err, cfg, engine, paths, events, rank=plan.world.rank)
+    if read_rungs(paths.root) != rungs_before:
+        return OomRestart(
+            f"another rank ran out of memory and stopped the run for the OOM ladder ({type(err).__name__} here)"
+        )
+    return None
 
 
 def _compute_dtype(plan: Plan) -> torch.dtype:

@@ -17,9 +17,8 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments
 
 from lmforge.config import LmforgeConfig
-from lmforge.config.schema import TrainConfig
+from lmforge.config.schema import ADAPTER_METHODS, TrainConfig
 from lmforge.data.run_data import RunData
-from lmforge.models.methods import ADAPTER_METHODS
 from lmforge.run_layout import RunPaths
 from lmforge.train.arguments import build_training_arguments
 from lmforge.train.numerics import CountingCollator

@@ -46,7 +46,13 @@ _RATIO_SAMPLE_ELEMENTS = 8_000_000
 
 
 class OutOfMemoryGivenUp(RuntimeError):
-    """Out of memory with one sample per chunk already: nothing left to halve."""
+    """Out of memory with nothing left to halve in the process (one sample per chunk already, or a
+    distributed run); the OOM ladder (train/oom_ladder.py) takes it from here."""
+
+    def __init__(self, message: str, *, step: int, micro_batch: int) -> None:
+        super().__init__(message)
+        self.step = step
+        self.micro_batch = micro_batch  # samples per forward pass when memory ran out
 
 
 @dataclass
@@ -122,7 +128,9 @@ class TrainStep:
             )
             raise OutOfMemoryGivenUp(
                 f"out of memory at step {step} and {reason}; lower train.micro_batch_size or data.max_length, "
-                f"or turn on train.gradient_checkpointing ({err})"
+                f"or turn on train.gradient_checkpointing ({err})",
+                step=step,
+                micro_batch=math.ceil(size / self.splits),
             ) from err
         if self.in_backward:
             self.tainted = (

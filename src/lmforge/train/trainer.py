@@ -12,18 +12,47 @@ from typing import Any
 import torch
 from transformers import Trainer
 
+from lmforge.config.schema import TrainConfig
 from lmforge.distributed.fsdp import CpuFsdp
+from lmforge.errors import UserInputError
 from lmforge.train.batches import batch_size, split_batch
+from lmforge.train.memory_savers import memory_savers
 from lmforge.train.numerics import REAL_TOKENS_KEY
+from lmforge.train.optimizers import build_optimizer, needs_own_optimizer, wsd_scheduler_kwargs
 from lmforge.train.step import TrainStep, logs_at
 
 log = logging.getLogger(__name__)
 
 
 class StepHooks:
-    """Trainer mixin: HF Trainer's step hooks, each forwarding to the run's TrainStep (`train_step`)."""
+    """Trainer mixin: HF Trainer's step hooks, each forwarding to the run's TrainStep (`train_step`),
+    and the recipe HF cannot build from its arguments alone (`train_settings`: Muon and LoRA+
+    optimizers, WSD's decay length, the chunked loss and activation offload)."""
 
     train_step: TrainStep
+    train_settings: TrainConfig | None = None  # set by train/assembly.py
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> Any:
+        settings = self.train_settings.optimizer if self.train_settings is not None else None
+        if self.optimizer is None and settings is not None and needs_own_optimizer(settings):  # type: ignore[has-type]
+            built = model if model is not None else self.model  # type: ignore[attr-defined]
+            decay = set(self.get_decay_parameter_names(built))  # type: ignore[attr-defined]
+            self.optimizer = build_optimizer(settings, built, self.args, decay)  # type: ignore[attr-defined]
+        try:
+            return super().create_optimizer(model)  # type: ignore[misc]
+        except ValueError as err:  # transformers' GaLore: no Linear layer matched the targets
+            if settings is None or settings.name != "galore" or "No target modules" not in str(err):
+                raise
+            raise UserInputError(
+                f"train.optimizer.galore.targets {settings.galore.targets} match no linear layer of this model; "
+                "name the projections (for example q_proj, up_proj) or a regex of their module names"
+            ) from err
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        args = self.args  # type: ignore[attr-defined]
+        if args.lr_scheduler_kwargs:
+            args.lr_scheduler_kwargs = wsd_scheduler_kwargs(args.lr_scheduler_kwargs, num_training_steps)
+        return super().create_scheduler(num_training_steps, optimizer)  # type: ignore[misc]
 
     def training_step(
         self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
@@ -56,9 +85,10 @@ class StepHooks:
         return prepared
 
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        out = super().compute_loss(model, inputs, *args, **kwargs)  # type: ignore[misc]
         if not model.training:
-            return out
+            return super().compute_loss(model, inputs, *args, **kwargs)  # type: ignore[misc]
+        with memory_savers(self.train_settings, self.model):  # type: ignore[attr-defined]
+            out = super().compute_loss(model, inputs, *args, **kwargs)  # type: ignore[misc]
         self.train_step.in_backward = True  # the caller runs backward next: an OOM from here taints the grads
         number = self.state.global_step + 1  # type: ignore[attr-defined]
         factor = self.train_step.scale_loss(number)
