@@ -227,6 +227,17 @@ def test_failure_summary_puts_the_root_cause_first(tmp_path: Path) -> None:
     guard = ProcessFailure(0, 12, 3, error_file("guard.json", "TrainingStopped: 3 bad steps in a row"))
     assert failure_exit_code(ChildFailedError("train", {0: guard})) == 3
 
+    # A collective's error raised in a future's callback (comm timing's) ends with torch's "At:"
+    # frames: still a lost peer, named by its error line, and not the root cause.
+    callback = error_file(
+        "callback.json",
+        "RuntimeError: Got the following error when running the callback: RuntimeError: [pair.cc:553] "
+        "Connection closed by peer [127.0.0.1]:431.\n\nAt:\n  /src/lmforge/distributed/comm_timing.py(208): finished",
+    )
+    err = ChildFailedError("train", {0: ProcessFailure(0, 10, -15, callback), 1: killed})
+    assert failure_exit_code(err) == 128 + 9
+    assert failure_lines(err)[1].endswith("Connection closed by peer [127.0.0.1]:431.")
+
 
 @pytest.mark.parametrize(
     ("options", "message"),

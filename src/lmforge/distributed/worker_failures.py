@@ -30,7 +30,7 @@ def _order(err: Any) -> list[tuple[int, Any]]:
             when = os.stat(failure.error_file).st_mtime
         except OSError:
             when = float(failure.timestamp)
-        return any(marker in _last_line(failure) for marker in _PEER_LOST), when
+        return any(marker in _message(failure) for marker in _PEER_LOST), when
 
     return sorted(err.failures.items(), key=key)
 
@@ -61,11 +61,19 @@ def _exit_text(exitcode: int) -> str:
     return str(exitcode)
 
 
-def _last_line(failure: Any) -> str:
+def _message(failure: Any) -> str:
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message") or message.get("extraInfo", {}).get("py_callstack", "")
-    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    return str(message)
+
+
+def _last_line(failure: Any) -> str:
+    lines = [line.strip() for line in _message(failure).splitlines() if line.strip()]
+    if "At:" in lines[:-1]:
+        # torch appends the Python frames of an error raised in a C++ callback after "At:"
+        # (a future's callback, as comm timing's): the error itself is the line before them.
+        lines = lines[: len(lines) - 1 - lines[::-1].index("At:")]
     if not lines or "elastic/errors.html" in lines[-1]:
         return "no error recorded; see the worker's output above"
     return lines[-1]
