@@ -307,3 +307,17 @@ def test_memory_savers_leave_the_loss_curve_alone(tmp_path: Path) -> None:
     assert sorted(got) == [1, 2, 3]
     # The chunked loss sums the tokens' losses in another order: float32 rounding, 1e-6 relative.
     assert [got[s] for s in (1, 2, 3)] == pytest.approx([expected[s] for s in (1, 2, 3)], rel=1e-5)
+
+
+def test_a_recorded_config_reads_back_with_its_optimizer(tmp_path: Path) -> None:
+    """config.yaml holds every default (galore's and muon's sections, decay_ratio, ...): read back,
+    as a resume compares it, it must give the same optimizer and pass the load checks."""
+    from lmforge.config import dump_config
+    from lmforge.config.recorded import read_recorded_config
+
+    cfg = load_config(write_config(tmp_path), ["train.optimizer={name: muon, muon: {adamw_lr: 0.01}}"])
+    recorded = tmp_path / "recorded.yaml"
+    recorded.write_text(yaml.safe_dump(dump_config(cfg)))
+    again = read_recorded_config(recorded)
+    assert again.notes == () and again.train.optimizer == cfg.train.optimizer
+    assert load_config(recorded).train == cfg.train

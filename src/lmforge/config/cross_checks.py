@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lmforge.config.schema import ADAPTER_METHODS, LmforgeConfig
+from lmforge.config.schema import ADAPTER_METHODS, LmforgeConfig, TrainConfig
 
 CHAT_FORMATS = {"alpaca", "sharegpt", "messages"}
 PREFERENCE_STAGES = {"dpo", "kto", "rm"}
@@ -237,7 +237,10 @@ RULES: list[Rule] = [
         "or remove train.min_lr_ratio",
     ),
     (
-        lambda c: "decay_ratio" in c.train.model_fields_set and c.train.schedule != "wsd",
+        lambda c: (
+            c.train.decay_ratio != TrainConfig.model_fields["decay_ratio"].default
+            and c.train.schedule != "wsd"
+        ),
         "train.decay_ratio",
         "train.decay_ratio is the decay share of schedule wsd; set train.schedule: wsd or remove it",
     ),
@@ -287,7 +290,7 @@ RULES: list[Rule] = [
         "builds the logits either; remove train.chunked_cross_entropy",
     ),
     (
-        lambda c: "checkpoint_every" in c.train.model_fields_set and not c.train.gradient_checkpointing,
+        lambda c: c.train.checkpoint_every != 1 and not c.train.gradient_checkpointing,
         "train.checkpoint_every",
         "train.checkpoint_every selects the layers gradient checkpointing recomputes; set "
         "train.gradient_checkpointing: true",

@@ -452,8 +452,10 @@ class OptimizerConfig(Section):
 
     @model_validator(mode="after")
     def _settings_of_the_chosen_one(self) -> OptimizerConfig:
-        for other in ("galore", "muon"):
-            if other in self.model_fields_set and self.name != other:
+        # Compared with the defaults, not with the keys given: a recorded config.yaml holds every
+        # section's defaults and must read back as it was written.
+        for other, defaults in (("galore", GaloreConfig()), ("muon", MuonConfig())):
+            if getattr(self, other) != defaults and self.name != other:
                 raise ValueError(
                     f"train.optimizer.{other} holds settings of the {other} optimizer, but train.optimizer.name "
                     f"is {self.name}; set name: {other} or remove the {other} section"
