@@ -229,6 +229,7 @@ def test_warmup_ratio_is_a_share_of_all_steps(tmp_path: Path) -> None:
         ),
         (["train.checkpoint_every=2"], "train.checkpoint_every", "gradient_checkpointing: true"),
         (["train.compile=true", "distributed.strategy=deepspeed"], "train.compile", "DeepSpeed's own"),
+        (["train.compile=true", "train.kernels=liger"], "train.compile", "choose one of train.kernels"),
     ],
 )
 def test_impossible_recipes_are_refused_at_load(

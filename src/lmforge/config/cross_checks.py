@@ -302,6 +302,13 @@ RULES: list[Rule] = [
         "train.compile or use distributed.strategy: fsdp / ddp",
     ),
     (
+        lambda c: c.train.compile and c.train.kernels == "liger",
+        "train.compile",
+        "Liger's fused linear cross-entropy does not trace under torch.compile (measured on an H100 with "
+        "torch 2.11 and liger-kernel 0.8.5: dynamo fails on its addmm); choose one of train.kernels: liger and "
+        "train.compile -- each alone gave about 1.4x the plain bf16 step there (bench/RESULTS.md)",
+    ),
+    (
         lambda c: c.train.compile and c.train.stage in RL_STAGES,
         "train.compile",
         "online RL alternates generation and training with changing shapes, which recompiles the model "
