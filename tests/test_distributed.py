@@ -191,19 +191,28 @@ def test_two_processes_match_one_and_resume_from_their_own_checkpoint(
     assert max(abs(again[s] - curve[s]) for s in again) < TOLERANCE, (again, curve)
 
 
-def test_a_sharded_checkpoint_refuses_another_world_size_and_says_how(tmp_path: Path, corpus: Path) -> None:
+def test_a_zero_checkpoint_refuses_another_zero_stage_or_engine_and_says_how(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """Another world size resumes (tests/test_reshard_resume.py); another ZeRO stage or engine does
+    not, and stops before any model is built with the two ways forward."""
     config = base_config(tmp_path, corpus, "zero2", micro_batch=2, strategy="deepspeed", zero_stage=2)
     config["train"] = {**config["train"], "max_steps": 2, "save_every": 2}
     result = torchrun(write(tmp_path / "zero2.yaml", config))
     assert result.returncode == 0, result.stderr[-4000:]
     checkpoint = tmp_path / "zero2" / "checkpoints" / "step-2"
     config["train"] = {**config["train"], "max_steps": 4, "resume": str(checkpoint)}
-    config["run"] = {**config["run"], "name": "one-process"}
-    single = run_cli("train", str(write(tmp_path / "one.yaml", config)))
-    assert single.returncode == 2, single.stderr[-3000:]
-    assert "deepspeed ZeRO-2 on 2 process(es)" in single.stderr
-    assert "deepspeed ZeRO-2 on 1 process(es)" in single.stderr
-    assert "lmforge ckpt consolidate" in single.stderr and "--nproc-per-node" in single.stderr
+    for name, distributed, said in [
+        ("zero3", {"strategy": "deepspeed", "zero_stage": 3}, "deepspeed ZeRO-3 on 1 process(es)"),
+        ("fsdp", {"strategy": "fsdp"}, "this run is one process"),
+    ]:
+        config["run"] = {**config["run"], "name": name}
+        config["distributed"] = distributed
+        single = run_cli("train", str(write(tmp_path / f"{name}.yaml", config)))
+        assert single.returncode == 2, single.stderr[-3000:]
+        assert "was written by deepspeed ZeRO-2 on 2 process(es)" in single.stderr and said in single.stderr
+        assert "distributed.zero_stage=2" in single.stderr and "lmforge ckpt consolidate" in single.stderr
+        assert "model: llama" not in single.stderr  # stopped before any model was built
     shutil.rmtree(tmp_path / "zero2")
 
 

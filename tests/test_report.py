@@ -376,6 +376,10 @@ def test_length_histogram_bins_are_powers_of_two() -> None:
             {"engine": "deepspeed", "world_size": 2, "zero_stage": 3},
             "deepspeed ZeRO-3 x 2 processes on CPU (2 cores)",
         ),
+        (
+            {"engine": "fsdp", "world_size": 4, "zero_stage": None, "layout": {"data": 2, "tensor": 2}},
+            "fsdp x 4 processes (mesh: data 2 x tensor 2) on CPU (2 cores)",
+        ),
     ],
 )
 def test_strategy_line_is_the_engine_the_manifest_recorded(

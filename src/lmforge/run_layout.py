@@ -56,6 +56,11 @@ class RunPaths:
         return self.root / "reference"
 
     @property
+    def adapter_audit(self) -> Path:
+        """LoRA / DoRA / QLoRA: which modules and parameters got adapters, and their trainable parameters."""
+        return self.root / "adapter_audit.json"
+
+    @property
     def tensorboard(self) -> Path:
         return self.root / "tb"
 
@@ -140,6 +145,7 @@ class RunPaths:
                 "rl_samples.jsonl",
                 "reference",
                 ".reference.tmp",
+                "adapter_audit.json",
             ),
         ]
         return [self.root / name for name in names]

@@ -32,6 +32,7 @@ class Coupling:
 
 _TRAINER = "transformers.trainer:Trainer"
 _STEP = "train/trainer.py"
+_RESHARD = "distributed/reshard.py"
 REGISTRY: tuple[Coupling, ...] = (
     Coupling(f"{_TRAINER}.training_step", "override", _STEP,
              "count real tokens, run drills and split a micro-batch after an OOM",
@@ -72,6 +73,33 @@ REGISTRY: tuple[Coupling, ...] = (
              ("self", "output_dir", "_internal_call")),
     Coupling(f"{_TRAINER}._save", "private_call", "distributed/fsdp.py",
              "write the gathered state dict the way save_model would", ("self", "output_dir", "state_dict")),
+    Coupling(f"{_TRAINER}.train", "override", _RESHARD,
+             "a launch that loads DeepSpeed universal checkpoints converts each checkpoint it resumes "
+             "(rollbacks too) and resumes from the converted directory",
+             ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval")),
+    Coupling(f"{_TRAINER}._load_from_checkpoint", "override", _RESHARD,
+             "an FSDP2 (torch DCP) checkpoint resumed by one process or DDP loads into the plain model; "
+             "HF raises there", ("self", "resume_from_checkpoint", "model")),
+    Coupling(f"{_TRAINER}._load_optimizer_and_scheduler", "override", _RESHARD,
+             "the same for the optimizer (by parameter name) and scheduler; called right after DeepSpeed "
+             "loaded a checkpoint, where a ZeRO-3 universal load's shared step counters are split",
+             ("self", "checkpoint")),
+    Coupling(f"{_TRAINER}._load_rng_state", "override", _RESHARD,
+             "a rank whose RNG file another world size did not write continues a writer rank's",
+             ("self", "checkpoint")),
+    Coupling("transformers.trainer_pt_utils:set_rng_state_for_device", "private_call", _RESHARD,
+             "restores the CUDA RNG state of a stand-in RNG file the way HF restores its own",
+             ("device_name", "device_module", "checkpoint_rng_state", "is_distributed")),
+    Coupling("transformers.trainer_pt_utils:safe_globals", "private_call", _RESHARD,
+             "HF's numpy allow-list for rng_state*.pth, to load a stand-in RNG file", ()),
+    Coupling("deepspeed.checkpoint.ds_to_universal:main", "private_call", _RESHARD,
+             "DeepSpeed's universal-checkpoint converter, called with the Namespace its parse_arguments "
+             "builds (tests/test_reshard_resume.py compares the option names)", ("args",)),
+    Coupling("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3."
+             "load_hp_checkpoint_state_from_checkpoint_dir_stage3", "patch", _RESHARD,
+             "gives every sub-group one shared Adam step tensor, which each sub-group's step advances: "
+             "separate_step_counters splits them after the load (tests/test_reshard_resume.py notices a fix)",
+             ("self", "checkpoint_dir")),
     Coupling(f"{_TRAINER}._tr_loss", "private_attribute", _STEP,
              "zeroed after a NaN (HF subtracts it from itself, keeping the NaN)",
              set_in=f"{_TRAINER}._inner_training_loop"),
@@ -84,6 +112,27 @@ REGISTRY: tuple[Coupling, ...] = (
              "the distributed type lives in shared state; both dicts must see FSDP"),
     Coupling("accelerate.state:PartialState._shared_state", "private_attribute", "distributed/fsdp.py",
              "the distributed type lives in shared state; both dicts must see FSDP"),
+    Coupling("transformers.distributed.mixin:DistributedMixin._resolve_parallel_plans", "private_call",
+             "distributed/tensor_parallel.py",
+             "the model's tp_plan resolved and expanded per layer, as from_pretrained(distributed_config=) does; "
+             "that public path marks the model sharded at load time and the Trainer then cannot resume it",
+             ("self", "distributed_config")),
+    Coupling("transformers.distributed.tensor_parallel:apply_tensor_parallelism", "private_call",
+             "distributed/tensor_parallel.py", "shards the parameters and installs the forward hooks of the plan",
+             ("model", "tp_mesh", "tp_plan")),
+    Coupling("transformers.distributed.mixin:DistributedMixin._tp_size", "private_attribute",
+             "distributed/tensor_parallel.py",
+             "Trainer.get_tp_size reads it first: the ranks of a tensor group share a batch (token count, loss "
+             "scale); set after the Accelerator exists, which would otherwise build a ParallelismConfig"),
+    Coupling("accelerate.state:AcceleratorState.device_mesh", "private_attribute", "distributed/tensor_parallel.py",
+             "the 2-D mesh handed to accelerate after the fact: its data loader shards over dp_shard only",
+             set_in="accelerate.state:AcceleratorState.__init__"),
+    Coupling("accelerate.accelerator:Accelerator.gather_for_metrics", "patch", "distributed/tensor_parallel.py",
+             "replaced on the instance under tensor parallelism: it counted each eval batch once per tensor rank",
+             ("self", "input_data", "use_gather_object")),
+    Coupling(f"{_TRAINER}.gather_function", "private_attribute", "distributed/tensor_parallel.py",
+             "the first evaluation reads the gather captured before the patch above",
+             set_in=f"{_TRAINER}.create_accelerator_and_postprocess"),
     Coupling("torch:load", "patch", "ckpt/safe_load.py",
              "forced weights_only=True while training: DeepSpeed loads its states with weights_only=False",
              ("f", "map_location", "pickle_module", "weights_only", "mmap", "pickle_load_args")),
@@ -113,6 +162,16 @@ REGISTRY: tuple[Coupling, ...] = (
              "comm_* metrics under DeepSpeed: its comms logger's records, read and reset every step"),
     Coupling("deepspeed.comm.comm:timers", "private_attribute", "distributed/comm_timing.py",
              "the comms logger's timers log running totals; reset with its records every step"),
+    *(
+        Coupling(f"transformers.models.{family}.modeling_{family}:{prefix}PreTrainedModel._can_record_outputs",
+                 "private_attribute", "train/moe_metrics.py",
+                 "names the router module class each MoE family records router_logits from: the modules whose "
+                 "chosen experts the expert-load metrics count")
+        for family, prefix in (("qwen2_moe", "Qwen2Moe"), ("qwen3_moe", "Qwen3Moe"), ("mixtral", "Mixtral"))
+    ),
+    Coupling("peft.tuners.lora.layer:ParamWrapper.parameter_name", "private_attribute", "models/adapter_audit.py",
+             "the parameter a LoRA parameter wrapper adapts (fused MoE experts): the audit's group name",
+             set_in="peft.tuners.lora.layer:ParamWrapper.__init__"),
 )  # fmt: skip
 
 # Versions the registry was checked against: [tested, next minor) from constraints.txt.

@@ -35,6 +35,10 @@ ACTIONLESS = (
     # bitsandbytes (Lion, 8-bit AdamW, GaLore) on an AVX512-bf16 CPU: an optional 4-bit matmul
     # kernel it would download from the hub; lmforge's optimizers never use it.
     re.compile(r"Failed to load CPU gemm_4bit_forward from kernels-community"),
+    # PEFT's fused-expert conversion (Mixtral, Qwen3-MoE) doubles the rank of experts.gate_up_proj
+    # (w1 and w3 in one parameter) and then checks that pattern against module names only: the rank
+    # is applied (the adapter audit shows it), the "ignored" is wrong.
+    re.compile(r"The following (rank|alpha)_pattern keys did not match any targeted module .*gate_up_proj"),
     # transformers on train.compile without an Ampere GPU: compiling is what the user asked for
     # (it pays on CPUs too: bench/RESULTS.md).
     re.compile(r"The speedups for torchdynamo mostly come with GPU Ampere or higher"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.table import Table
@@ -34,6 +35,7 @@ def estimate(
     from lmforge.ckpt.safetensors_stream import parse_size
     from lmforge.config.load import load_config
     from lmforge.distributed.estimate import estimate_memory
+    from lmforge.distributed.planner import plan_layouts_for
 
     try:
         gpu_mem, gpu_mem_source = _gpu_memory(gpu_mem)
@@ -43,13 +45,16 @@ def estimate(
             raise UserInputError(f"--gpu-mem: {err}") from None
         if gpu_mem_bytes <= 0:
             raise UserInputError(f"--gpu-mem {gpu_mem!r}: must be more than zero")
-        cfg = load_config(config, overrides or [])
+        cfg = load_config(config, overrides or [], tokenizer_optional=True)
         result = estimate_memory(cfg, gpus=gpus, gpu_mem_bytes=gpu_mem_bytes, nodes=nodes)
+        layouts = plan_layouts_for(cfg, result).to_dict()
     except UserInputError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     if as_json:
-        typer.echo(json.dumps({**result.to_dict(), "gpu_mem_source": gpu_mem_source}, indent=2))
+        typer.echo(
+            json.dumps({**result.to_dict(), "layouts": layouts, "gpu_mem_source": gpu_mem_source}, indent=2)
+        )
         return
     if gpu_mem_source == "assumed":
         console.print(f"no GPU is visible here: assuming {gpu_mem} per GPU (set --gpu-mem for yours)")
@@ -91,6 +96,55 @@ def estimate(
     )
     console.print(
         f"recommended: [bold]{result.recommended or 'nothing fits; add GPUs or shrink the batch'}[/]"
+    )
+    if result.model.vocab_source == "architecture default":
+        console.print(
+            f"vocabulary: {result.model.vocab_size:,} ({result.model.model_type}'s default; no tokenizer given)"
+        )
+    _print_layouts(layouts)
+
+
+# Rows of the layout table: enough to see the order, the first fits and the recommendation.
+_LAYOUT_ROWS = 12
+
+
+def _print_layouts(plan: dict[str, Any]) -> None:
+    """The 3-D layouts: the first rows in the preferred order, then every other one that fits."""
+    rows = plan.get("layouts", [])
+    if len(rows) <= 1:
+        return
+    shown = rows[:_LAYOUT_ROWS] + [r for r in rows[_LAYOUT_ROWS:] if r["fits"]][:_LAYOUT_ROWS]
+    table = Table(
+        title=f"3-D layouts, GiB per device ({len(rows)} possible; {len(shown)} shown, preferred first)"
+    )
+    columns = "dp tp cp pp ep weights grads optim activ logits total bubble fits"
+    for column in columns.split():
+        table.add_column(column, justify="right")
+    for r in shown:
+        fits = "yes" if r["fits"] else "no" if r["fits"] is not None else "?"
+        if r["fits"] and not r["runnable"]:
+            fits = "yes*"
+        table.add_row(
+            *(str(r[k]) for k in ("data", "tensor", "context", "pipeline", "expert")),
+            *(
+                f"{r[k] / 2**30:.1f}"
+                for k in ("parameters", "gradients", "optimizer", "activations", "logits", "total")
+            ),
+            f"{r['bubble']:.0%}",
+            fits,
+        )
+    console.print(table)
+    if any(r["fits"] and not r["runnable"] for r in shown):
+        console.print(
+            "yes*: fits, but context / pipeline / expert parallelism is not in the training step yet"
+        )
+    best = plan.get("recommended")
+    if best is None:
+        console.print(f"layout: {plan.get('reason')}")
+        return
+    console.print(
+        f"layout: [bold]data {best['data']} x tensor {best['tensor']}[/] ({plan['reason']}); set "
+        f"distributed.strategy: fsdp, distributed.tensor_parallel: {best['tensor']}"
     )
 
 

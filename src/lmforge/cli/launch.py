@@ -145,7 +145,8 @@ def launch(
             target = slurm_out or cfg.run.output_dir / f"{cfg.run.name}.sbatch"
         else:
             launch_plan = plan.plan_launch(request)
-            launch_plan.notes[:0] = [note for note in (engine_note, ladder_note) if note]
+            mesh_note = _mesh_note(cfg, request)
+            launch_plan.notes[:0] = [note for note in (mesh_note, engine_note, ladder_note) if note]
     except UserInputError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
@@ -174,6 +175,19 @@ def launch(
     for note in launch_plan.notes:
         typer.echo(f"lmforge launch: {note}", err=True)
     raise typer.Exit(_train_with_oom_ladder(request, launch_plan, cfg, worker_overrides, taken))
+
+
+def _mesh_note(cfg: LmforgeConfig, request: LaunchRequest) -> str | None:
+    """The device mesh of a tensor / context / pipeline / expert parallel run, checked against the
+    model and the world size before any worker starts."""
+    from lmforge.distributed.layout import launch_mesh_note
+
+    low, high = request.node_range
+    if low != high:  # an elastic range: the world size is known only when the workers meet
+        return None
+    import torch
+
+    return launch_mesh_note(cfg, int(request.nproc_per_node) * low, on_gpu=torch.cuda.is_available())
 
 
 def _train_with_oom_ladder(

@@ -63,11 +63,17 @@ FAMILIAR_NAMES = {
 
 
 def load_config(
-    path: str | Path | None, overrides: list[str] | None = None, *, base: dict[str, Any] | None = None
+    path: str | Path | None,
+    overrides: list[str] | None = None,
+    *,
+    base: dict[str, Any] | None = None,
+    tokenizer_optional: bool = False,
 ) -> LmforgeConfig:
     """Load `path` (or start from `base`), apply dotted overrides and validate.
 
-    Raises UserInputError listing every problem with file, line and key path.
+    `tokenizer_optional`: a config that names no tokenizer is accepted (estimating an architecture
+    alone); training configs need one. Raises UserInputError listing every problem with file, line
+    and key path.
     """
     source = str(path) if path is not None else "<built-in config>"
     raw: dict[str, Any] = dict(base or {})
@@ -79,7 +85,7 @@ def load_config(
         # An override's problems are reported against the override, not a YAML line.
         lines[tuple(override.partition("=")[0].split("."))] = -1
     try:
-        cfg = LmforgeConfig.model_validate(raw)
+        cfg = LmforgeConfig.model_validate(raw, context={"tokenizer_optional": tokenizer_optional})
     except ValidationError as err:
         problems = sorted((_explain(e, source, lines, raw) for e in err.errors()), key=lambda p: p[0])
         count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"

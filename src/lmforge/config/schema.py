@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from lmforge.config.chat_template_names import ChatTemplateName, canonical_chat_template
 
@@ -48,10 +48,35 @@ class RunConfig(Section):
         return self.output_dir / self.name
 
 
+class MoeConfig(Section):
+    """Router settings of a Mixture-of-Experts model; a key left unset keeps the model's own value."""
+
+    top_k: int | None = Field(
+        None,
+        ge=1,
+        description="Experts each token is routed to (the HF config's num_experts_per_tok); at most the "
+        "number of experts per layer.",
+    )
+    router_aux_loss_coef: float | None = Field(
+        None,
+        ge=0,
+        description="Weight of the load-balancing auxiliary loss (the HF config's router_aux_loss_coef). "
+        "Training forwards return the router logits, so the loss includes it; evaluation losses do not. "
+        "0 trains without it (moe_aux_loss is still recorded).",
+    )
+    router_z_loss_coef: float | None = Field(
+        None,
+        ge=0,
+        description="Weight of the router z-loss, for families whose config has one (router_z_loss_coef, as "
+        "in Switch Transformers); refused for families without it (qwen2_moe, qwen3_moe, mixtral).",
+    )
+
+
 class ModelConfig(Section):
     preset: str | None = Field(
         None,
-        description="Named tiny architecture built from scratch: llama-tiny, qwen2-tiny, mistral-tiny, gpt2-tiny.",
+        description="Named tiny architecture built from scratch: llama-tiny, qwen2-tiny, mistral-tiny, gpt2-tiny, "
+        "and the Mixture-of-Experts qwen2-moe-tiny, qwen3-moe-tiny, mixtral-tiny (4 experts per layer, top-2).",
     )
     path: str | None = Field(None, description="Local HF model directory (or hub name when online) to load.")
     config: dict[str, Any] | None = Field(
@@ -70,6 +95,11 @@ class ModelConfig(Section):
     allow_bin_weights: bool = Field(
         False,
         description="Allow loading legacy .bin weights (read with weights_only, never full unpickling).",
+    )
+    moe: MoeConfig | None = Field(
+        None,
+        description="Mixture-of-Experts router settings (top_k, router_aux_loss_coef, router_z_loss_coef), "
+        "written into the model's config when it is built; MoE models only (refused on a dense model).",
     )
 
     @model_validator(mode="after")
@@ -193,11 +223,24 @@ class DataConfig(Section):
 class LoraConfig(Section):
     r: int = Field(8, ge=1, description="LoRA rank.")
     alpha: int = Field(16, gt=0, description="LoRA scaling numerator (the update is scaled by alpha / r).")
-    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the LoRA input.")
+    dropout: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="Dropout on the LoRA input. Adapters on parameters (target_parameters) have none: at "
+        "this default it is then 0 for the run; another value above 0 with them is refused.",
+    )
     target_modules: str | list[str] = Field(
         "all-linear",
         description="Modules that get adapters: `all-linear` (every linear layer but the output head) "
-        "or a list of module names such as [q_proj, v_proj].",
+        "or a list of module names such as [q_proj, v_proj]. Each listed name must match a module.",
+    )
+    target_parameters: list[str] | None = Field(
+        None,
+        description="Parameters that get adapters, by name suffix (PEFT's target_parameters), for weights that "
+        "are no linear layer: the fused 3-D expert weights of transformers 5 MoE models, for example "
+        "[experts.gate_up_proj, experts.down_proj]. Unset: with target_modules all-linear on an MoE model, "
+        "every fused expert parameter is targeted automatically; [] targets none. Each name must match.",
     )
     modules_to_save: list[str] = Field(
         default_factory=list,
@@ -637,6 +680,47 @@ class DistributedConfig(Section):
         '"auto" values are filled from train.* and the world size, and the resolved file is written to '
         "<run dir>/deepspeed_config.json.",
     )
+    tensor_parallel: int = Field(
+        1,
+        ge=1,
+        description="Tensor-parallel degree: each decoder layer's attention heads and MLP columns split over this "
+        "many ranks (transformers' tp_plan on torch DTensor). Must divide the attention heads and KV heads. "
+        "Composes with strategy fsdp as a 2-D mesh (data-shard x tensor); the data-shard degree is the world "
+        "size divided by the product of the parallel degrees.",
+    )
+    sequence_parallel: bool = Field(
+        True,
+        description="With tensor_parallel > 1: also split norms and dropout along the sequence where the "
+        "model's tp_plan has sequence-parallel entries.",
+    )
+    context_parallel: int = Field(
+        1,
+        ge=1,
+        description="Context-parallel degree: long sequences split over this many ranks (ring attention through "
+        "torch's context_parallel; GPU engines only, sdpa attention). Must divide data.max_length.",
+    )
+    pipeline_parallel: int = Field(
+        1,
+        ge=1,
+        description="Pipeline stages: decoder layers split into this many consecutive stages "
+        "(torch.distributed.pipelining over the model's pp_plan). Must divide the number of layers.",
+    )
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b",
+        description="Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (one forward, one "
+        "backward: less activation memory), interleaved_1f1b (several stages per rank: smaller bubble).",
+    )
+    expert_parallel: int = Field(
+        1,
+        ge=1,
+        description="Expert-parallel degree for Mixture-of-Experts models: the experts of each MoE layer split "
+        "over this many ranks (transformers' distributed MoE). Must divide the number of experts.",
+    )
+
+    @property
+    def model_parallel_degree(self) -> int:
+        """Ranks one model replica spans: the product of the tensor, context, pipeline degrees."""
+        return self.tensor_parallel * self.context_parallel * self.pipeline_parallel
 
 
 AlertKind = Literal[
@@ -895,8 +979,11 @@ class LmforgeConfig(Section):
     debug: DebugConfig = Field(default_factory=DebugConfig, description="Fault-injection drills.")
 
     @model_validator(mode="after")
-    def _tokenizer_source(self) -> LmforgeConfig:
-        if not (self.tokenizer.path or self.tokenizer.train or self.model.path):
+    def _tokenizer_source(self, info: ValidationInfo) -> LmforgeConfig:
+        # `lmforge estimate` sizes an architecture alone: it passes tokenizer_optional and uses the
+        # architecture's own vocab_size.
+        optional = bool(info.context and info.context.get("tokenizer_optional"))
+        if not (optional or self.tokenizer.path or self.tokenizer.train or self.model.path):
             raise ValueError(
                 "no tokenizer: set tokenizer.path, tokenizer.train (to train one), or load a model.path that has one"
             )

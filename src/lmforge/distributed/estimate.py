@@ -43,7 +43,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from lmforge.config.schema import CHUNKED_LOSS_TOKENS, LmforgeConfig, OptimizerConfig
 from lmforge.errors import UserInputError
-from lmforge.models.build import architecture_kwargs
+from lmforge.models.build import architecture_kwargs, config_for_model
 from lmforge.models.presets import POSITION_KEYS
 
 # DeepSpeed's default additional_buffer_factor for CPU memory.
@@ -76,6 +76,14 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int
     embedding_params: int = 0  # input embeddings and output head (once when tied)
+    num_kv_heads: int = 0
+    num_experts: int = 0  # experts per MoE layer; 0 for a dense model
+    expert_params: int = 0  # parameters inside the experts (split by expert parallelism)
+    model_type: str = ""
+    has_tp_plan: bool = False  # transformers ships a tensor-parallel plan for this architecture
+    vocab_source: str = (
+        "tokenizer"  # where vocab_size came from: tokenizer | model.config | architecture default
+    )
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,19 @@ def model_shape(config: LmforgeConfig) -> ModelShape:
         if module is not None
         for p in module.parameters()
     }
+    from lmforge.distributed.layout import expert_count
+
+    text_config = hf_config.get_text_config()
+    kv_heads = int(getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads)
+    experts = expert_count(text_config) or 0
+    expert_params = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     return ModelShape(
+        num_kv_heads=kv_heads,
+        num_experts=experts,
+        expert_params=expert_params,
+        model_type=str(text_config.model_type),
+        has_tp_plan=bool(getattr(text_config, "base_model_tp_plan", None)),
+        vocab_source=_vocab_source(config),
         total_params=total,
         largest_layer_params=largest,
         hidden_size=int(hf_config.hidden_size),
@@ -158,23 +178,33 @@ def _hf_config(config: LmforgeConfig) -> Any:
         return AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
     kwargs = architecture_kwargs(cfg)
     model_type = kwargs.pop("model_type")
-    if "vocab_size" not in (cfg.config or {}):
-        kwargs["vocab_size"] = _vocab_size(config)
+    vocab = None if "vocab_size" in (cfg.config or {}) else _vocab_size(config)
+    if vocab is not None:
+        kwargs["vocab_size"] = vocab
     for key in POSITION_KEYS:  # as build_model: the position table grows to max_length
         if key in kwargs:
             kwargs[key] = max(kwargs[key], config.data.max_length)
-    try:
-        return AutoConfig.for_model(model_type, **kwargs)
-    except (ValueError, TypeError) as err:
-        raise UserInputError(
-            f"model.config: transformers cannot build a {model_type!r} config: {err}"
-        ) from None
+    return config_for_model(model_type, kwargs)
 
 
-def _vocab_size(config: LmforgeConfig) -> int:
+def _vocab_source(config: LmforgeConfig) -> str:
+    if config.model.path:
+        return "model.path"
+    if "vocab_size" in (config.model.config or {}):
+        return "model.config"
+    if config.tokenizer.train is not None or config.tokenizer.path:
+        return "tokenizer"
+    return "architecture default"
+
+
+def _vocab_size(config: LmforgeConfig) -> int | None:
+    """The tokenizer's vocabulary, or None when the config names no tokenizer (an architecture
+    estimated on its own keeps its config class's default vocab_size)."""
     if config.tokenizer.train is not None:
         return config.tokenizer.train.vocab_size
     path = config.tokenizer.path or config.model.path
+    if path is None:
+        return None
     return len(AutoTokenizer.from_pretrained(path))
 
 

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmforge.distributed.tensor_parallel import shard_data_over_mesh
+
 __all__ = ["CpuFsdp", "enable_cpu_fsdp", "fsdp_training_arguments", "local_parameter_numel"]
 
 
@@ -43,6 +45,7 @@ def fsdp_training_arguments(
     reshard_after_forward: bool = True,
     activation_checkpointing: bool = False,
     offload: bool = False,
+    wrap_layers: bool = True,
 ) -> dict[str, Any]:
     """`TrainingArguments` kwargs that select FSDP2 full sharding for `model`.
 
@@ -57,17 +60,20 @@ def fsdp_training_arguments(
       `gradient_checkpointing`, which adds a redundant all-gather in backward.
     - `offload`: parameters, gradients and optimizer states live in CPU memory between uses
       (FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU).
+    - `wrap_layers=False`: lmforge wraps the model itself (a tensor-parallel model, on its 2-D mesh:
+      distributed/tensor_parallel.py); accelerate's wrap policy would look the layer classes up by
+      name and not find them behind FSDP2's wrapper classes.
     """
     config: dict[str, Any] = {
         "version": 2,
         "reshard_after_forward": reshard_after_forward,
-        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP" if wrap_layers else "NO_WRAP",
         "state_dict_type": "SHARDED_STATE_DICT" if sharded_checkpoints else "FULL_STATE_DICT",
         "activation_checkpointing": activation_checkpointing,
         "cpu_ram_efficient_loading": False,
         "cpu_offload": offload,
     }
-    layers = _layer_classes_to_wrap(model)
+    layers = _layer_classes_to_wrap(model) if wrap_layers else []
     if layers:
         config["transformer_layer_cls_to_wrap"] = layers
     return {"fsdp": True, "fsdp_config": config}
@@ -97,8 +103,9 @@ def enable_cpu_fsdp(accelerator: Any, fsdp_plugin: Any) -> bool:
 
 
 class CpuFsdp:
-    """Trainer mixin: real FSDP2 on CPU/gloo, and a full HF model from `save_model` under FSDP
-    and DeepSpeed (gathered from the shards, without a duplicate of a tied output head).
+    """Trainer mixin: real FSDP2 on CPU/gloo (also over the data dimension of a tensor-parallel
+    model's mesh), and a full HF model from `save_model` under FSDP and DeepSpeed (gathered from
+    the shards, without a duplicate of a tied output head).
 
     Use as `class MyTrainer(CpuFsdp, Trainer)`. The state switch is a no-op unless the run is
     multi-process CPU and the TrainingArguments request FSDP (`fsdp_plugin_args`); on CUDA
@@ -124,6 +131,9 @@ class CpuFsdp:
             # later FSDP branch (no device move, FSDP2 prepare with the optimizer, DCP checkpoint
             # save/load, full-state save_model) keys off this flag, so setting it here suffices.
             trainer.is_fsdp_enabled = True
+        # A tensor-parallel model gets its FSDP2 over the data dimension of its own 2-D mesh here,
+        # with this plugin's settings; accelerate's prepare() then finds it already wrapped.
+        shard_data_over_mesh(trainer, _layer_classes_to_wrap(trainer.model))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Like `Trainer.save_model`, but always writes a full HF model when called by the user.

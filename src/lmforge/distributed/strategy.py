@@ -7,11 +7,10 @@ for the cheapest strategy that fits one device of this machine.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,7 +36,11 @@ from lmforge.distributed.deepspeed_config import (
     resolve_user_config,
     zero_stage_of,
 )
+from lmforge.distributed.layout import Layout, plan_layout
 from lmforge.distributed.ranks import World, current_world
+from lmforge.distributed.reshard import WRITER_FILE as WRITER_FILE
+from lmforge.distributed.reshard import ResumePath, load_universal, read_writer, resume_path
+from lmforge.distributed.reshard import write_writer as write_writer
 from lmforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,7 @@ class Plan:
     world: World
     deepspeed: dict[str, Any] | None
     reason: str
+    layout: Layout  # the device mesh's degrees (distributed/layout.py)
     precision: str = "fp32"  # train.precision resolved for this device, once: fp32 | bf16 | fp16
 
     def summary(self) -> dict[str, Any]:
@@ -74,6 +78,8 @@ class Plan:
             "world_size": self.world.size,
             "zero_stage": zero_stage_of(self.deepspeed) if self.deepspeed is not None else None,
             "offload": self.settings.offload if self.engine in ("deepspeed", "fsdp") else "none",
+            "tensor_parallel": self.layout.tensor,
+            "layout": self.layout.to_dict(),
             "reason": self.reason,
         }
 
@@ -82,12 +88,21 @@ class Plan:
         return describe_optimizer_and_schedule(self.deepspeed or {}, train)
 
     def describe_engine(self) -> str:
+        if self.layout.tensor > 1:
+            return self._describe_tensor_parallel()
         if self.engine == "deepspeed":
             offload = f", offload {self.settings.offload}" if self.settings.offload != "none" else ""
             return f"deepspeed ZeRO-{self.summary()['zero_stage']}{offload}"
         if self.engine == "fsdp" and self.settings.offload != "none":
             return "fsdp (FSDP2 full shard, CPU offload)"
         return {"none": "single process", "ddp": "ddp", "fsdp": "fsdp (FSDP2 full shard)"}[self.engine]
+
+    def _describe_tensor_parallel(self) -> str:
+        """'fsdp x tp (2-D mesh data_shard=2 x tensor=2)'; tensor parallel alone runs on the same
+        mesh with one data shard (distributed/tensor_parallel.py)."""
+        offload = ", CPU offload" if self.settings.offload != "none" else ""
+        kind = "fsdp x tp" if self.layout.data > 1 else "tp"
+        return f"{kind} (2-D mesh {self.layout.describe()}{offload})"
 
     def describe(self) -> str:
         return f"{self.describe_engine()} on {self.world.size} process(es): {self.reason}"
@@ -100,6 +115,9 @@ def plan_for(cfg: LmforgeConfig, *, precision: str, on_gpu: bool, world: World |
     settings, reason = _chosen_settings(cfg, world, on_gpu=on_gpu)
     reason = launcher_reason or reason
     engine: Engine = "deepspeed" if settings.deepspeed_config is not None else settings.strategy  # type: ignore[assignment]
+    layout = _layout(cfg, settings, world, on_gpu=on_gpu)
+    if layout.tensor > 1:
+        _check_tensor_parallel(cfg, settings, engine)
     if engine == "none" and world.size > 1:
         raise UserInputError(
             f"distributed.strategy is none but {world.size} workers were launched; "
@@ -114,8 +132,67 @@ def plan_for(cfg: LmforgeConfig, *, precision: str, on_gpu: bool, world: World |
     if engine == "deepspeed":
         deepspeed = _deepspeed_config(cfg, settings, precision=precision, on_gpu=on_gpu, world=world)
     return Plan(
-        engine=engine, settings=settings, world=world, deepspeed=deepspeed, reason=reason, precision=precision
+        engine=engine,
+        settings=settings,
+        world=world,
+        deepspeed=deepspeed,
+        reason=reason,
+        layout=layout,
+        precision=precision,
     )
+
+
+def _layout(cfg: LmforgeConfig, settings: DistributedConfig, world: World, *, on_gpu: bool) -> Layout:
+    """The run's mesh, refused here when the model or the world cannot hold it. The architecture is
+    read only when a model-parallel degree asks for it (heads, layers, experts, the tp_plan)."""
+    hf_config = None
+    if settings.model_parallel_degree * settings.expert_parallel > 1:
+        from lmforge.models.build import architecture_config  # transformers: only when it is needed
+
+        hf_config = architecture_config(cfg.model)
+    layout = plan_layout(settings, hf_config, world.size, on_gpu=on_gpu, max_length=cfg.data.max_length)
+    if layout.sequence_parallel and not _has_sequence_parallel_plan(hf_config):
+        log.info(
+            "distributed.sequence_parallel: %s's tp_plan shards nothing along the sequence; its norms and "
+            "dropout run replicated on each rank of a tensor group",
+            getattr(hf_config, "model_type", "this model"),
+        )
+        layout = replace(layout, sequence_parallel=False)
+    return layout
+
+
+def _check_tensor_parallel(cfg: LmforgeConfig, settings: DistributedConfig, engine: str) -> None:
+    """What the tensor-parallel engine (distributed/tensor_parallel.py) cannot run, all reasons at once.
+    Adapters are refused with strategy fsdp by config/cross_checks.py (measured under TP: PEFT's
+    full-width adapter output meets the rank's slice of the base layer, a shape error)."""
+    degree = settings.tensor_parallel
+    problems = []
+    if engine != "fsdp":
+        problems.append(
+            f"distributed.strategy: {settings.strategy} with tensor_parallel: {degree}: tensor parallelism runs on "
+            "FSDP2's (data_shard x tensor) device mesh; set distributed.strategy: fsdp (with tensor_parallel equal "
+            "to the number of processes FSDP2 shards nothing and the run is tensor parallel alone)"
+        )
+    if cfg.train.stage in ("dpo", "kto"):
+        problems.append(
+            f"train.stage: {cfg.train.stage} with tensor_parallel: {degree}: TRL prepares the reference model with "
+            "accelerate's FSDP2 path, which needs a ParallelismConfig accelerate cannot take for this mesh "
+            "(measured: AttributeError 'fsdp_dim_names' in trl prepare_fsdp); set distributed.tensor_parallel: 1 "
+            "(strategy fsdp alone shards this stage)"
+        )
+    if cfg.train.stage in ("grpo", "rloo") and cfg.train.rl.beta > 0:
+        problems.append(
+            f"train.rl.beta: {cfg.train.rl.beta} with tensor_parallel: {degree}: rank 0 writes the reference model "
+            "from the sharded one alone, and gathering its slices is a collective the other ranks never join "
+            "(measured: a hang); set train.rl.beta: 0 or distributed.tensor_parallel: 1"
+        )
+    if problems:
+        raise UserInputError("distributed.tensor_parallel cannot run this:\n  - " + "\n  - ".join(problems))
+
+
+def _has_sequence_parallel_plan(hf_config: Any) -> bool:
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return "sequence_parallel" in (getattr(text, "base_model_tp_plan", None) or {}).values()
 
 
 def _with_launcher_choice(
@@ -138,12 +215,21 @@ def _chosen_settings(cfg: LmforgeConfig, world: World, *, on_gpu: bool) -> tuple
     settings = cfg.distributed
     if settings.strategy != "auto" or settings.deepspeed_config is not None:
         return settings, "as configured"
+    if settings.tensor_parallel > 1:
+        return settings.model_copy(update={"strategy": "fsdp"}), (
+            "auto: tensor parallelism runs on FSDP2's (data_shard x tensor) mesh"
+        )
     if world.size == 1:
         return settings.model_copy(update={"strategy": "none"}), "auto: one process"
     from lmforge.distributed.estimate import estimate_memory
 
     device_bytes = _device_memory(world, on_gpu=on_gpu)
     estimate = estimate_memory(cfg, gpus=world.local_size, gpu_mem_bytes=device_bytes, nodes=world.nodes)
+    if estimate.recommended is None or "offload" in estimate.recommended:
+        # Tensor parallelism keeps everything on the devices; offloading moves states over PCIe.
+        tensor = _tensor_parallel_choice(cfg, estimate, device_bytes)
+        if tensor is not None:
+            return tensor
     if estimate.recommended is None:
         raise UserInputError(
             f"distributed.strategy auto: no strategy fits {device_bytes / 2**30:.1f} GiB per device "
@@ -155,6 +241,27 @@ def _chosen_settings(cfg: LmforgeConfig, world: World, *, on_gpu: bool) -> tuple
     reason = (
         f"auto: {estimate.recommended} is the cheapest strategy that fits "
         f"({total / 2**30:.2f} of {device_bytes / 2**30:.1f} GiB per device, `lmforge estimate`)"
+    )
+    return chosen, reason
+
+
+def _tensor_parallel_choice(
+    cfg: LmforgeConfig, estimate: Any, device_bytes: int
+) -> tuple[DistributedConfig, str] | None:
+    """FSDP2 x TP from the layout planner, when no data-parallel strategy fits without offload and
+    this run can take tensor parallelism (full fine-tuning, no reference model)."""
+    if cfg.train.method != "full" or cfg.train.stage in ("dpo", "kto", "grpo", "rloo"):
+        return None
+    from lmforge.distributed.planner import plan_layouts_for
+
+    best = plan_layouts_for(cfg, estimate).recommended
+    if best is None or best.tensor == 1:
+        return None
+    chosen = cfg.distributed.model_copy(update={"strategy": "fsdp", "tensor_parallel": best.tensor})
+    reason = (
+        f"auto: no data-parallel strategy fits without offload; fsdp x tp (data {best.data} x tensor "
+        f"{best.tensor}) does ({best.total / 2**30:.2f} of {device_bytes / 2**30:.1f} GiB per device, "
+        "`lmforge estimate`)"
     )
     return chosen, reason
 
@@ -193,6 +300,11 @@ def engine_arguments(plan: Plan, model: Any, *, gradient_checkpointing: bool) ->
     if plan.engine == "fsdp":
         from lmforge.distributed.fsdp import fsdp_training_arguments
 
+        if plan.layout.tensor > 1:
+            # lmforge wraps a tensor-parallel model on its own mesh (tensor_parallel.py), where
+            # accelerate's activation checkpointing finds no wrap policy: the Trainer's own switch
+            # (the model's gradient checkpointing) recomputes the layers instead.
+            return fsdp_training_arguments(model, offload=plan.settings.offload != "none", wrap_layers=False)
         # FSDP checkpoints activations itself; the Trainer's own switch would all-gather twice.
         return {
             **fsdp_training_arguments(
@@ -205,52 +317,16 @@ def engine_arguments(plan: Plan, model: Any, *, gradient_checkpointing: bool) ->
     return {}
 
 
-# Engines whose checkpoints hold each rank's shard: resuming needs the same world and engine.
-_SHARDED = ("deepspeed", "fsdp")
-
-
-def check_resume_world(checkpoint: Path | None, plan: Plan) -> None:
-    """The checkpoint to resume from resumes under the engine and world size that wrote it; DDP and
-    single-process checkpoints hold whole states and resume under any world size (and engine, with
-    new shards)."""
+def check_resume_world(checkpoint: Path | None, plan: Plan) -> ResumePath | None:
+    """How the checkpoint to resume from loads under this run's engine and world size
+    (distributed/reshard.py): as written, resharded by torch DCP, loaded whole into one process or
+    DDP, or through DeepSpeed's universal checkpoint (then this run's DeepSpeed config loads
+    universal checkpoints). UserInputError where no engine can load it (an engine change)."""
     if checkpoint is None:
-        return
-    writer = read_writer(checkpoint)
-    if writer is None:
-        return  # written before lmforge recorded its writer: a single-process or DDP checkpoint
-    same = writer["engine"] == plan.engine and writer["world_size"] == plan.world.size
-    if writer.get("engine") == "deepspeed" and plan.engine == "deepspeed":
-        same = same and writer.get("zero_stage") == plan.summary()["zero_stage"]
-    if same or writer["engine"] not in _SHARDED:
-        return
-    wrote = _engine_words(writer)
-    now = _engine_words(plan.summary())
-    raise UserInputError(
-        f"train.resume: {checkpoint} was written by {wrote} and this run is {now}; a sharded checkpoint "
-        f"resumes only under the engine and world size that wrote it. Relaunch with the same settings "
-        f"(`lmforge launch CONFIG --nproc-per-node ...` for {writer['world_size']} processes in all), or make "
-        f"a whole model of it with `lmforge ckpt consolidate {checkpoint} --out DIR` and start a new run "
-        f"from it (model.path=DIR, train.resume=never)"
-    )
-
-
-def _engine_words(writer: dict[str, Any]) -> str:
-    engine = writer["engine"]
-    if engine == "deepspeed":
-        engine = f"deepspeed ZeRO-{writer.get('zero_stage')}"
-    return f"{engine} on {writer['world_size']} process(es)"
-
-
-WRITER_FILE = "lmforge_writer.json"
-
-
-def write_writer(checkpoint: Path, summary: dict[str, Any]) -> None:
-    (checkpoint / WRITER_FILE).write_text(json.dumps(summary, indent=2), encoding="utf-8")
-
-
-def read_writer(checkpoint: Path) -> dict[str, Any] | None:
-    path = checkpoint / WRITER_FILE
-    if not path.is_file():
         return None
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return data if isinstance(data, dict) else None
+    path = resume_path(checkpoint, read_writer(checkpoint), plan.summary())
+    if path.kind == "deepspeed_universal" and plan.deepspeed is not None:
+        load_universal(plan.deepspeed)
+    if path.resharded and plan.world.is_main:
+        log.info("%s", path.describe())
+    return path

@@ -17,6 +17,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     BitsAndBytesConfig,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -24,6 +25,7 @@ from transformers import (
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import UserInputError
 from lmforge.models.methods import Head
+from lmforge.models.moe import apply_router_settings
 from lmforge.models.presets import POSITION_KEYS, preset_kwargs
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,36 @@ def architecture_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     return kwargs
 
 
+def architecture_config(cfg: ModelConfig) -> PretrainedConfig:
+    """The architecture a run will build, without a tokenizer or weights: what layout checks need
+    (heads, KV heads, layers, experts, the tp_plan). The vocabulary is the family's default."""
+    if cfg.path:
+        path = Path(cfg.path)
+        try:
+            return AutoConfig.from_pretrained(
+                str(path.resolve()) if path.exists() else str(cfg.path),
+                trust_remote_code=cfg.trust_remote_code,
+            )
+        except OSError as err:
+            raise UserInputError(f"model.path: cannot read the config of {cfg.path!r}: {err}") from None
+    kwargs = architecture_kwargs(cfg)
+    model_type = kwargs.pop("model_type")
+    return config_for_model(model_type, kwargs)
+
+
+def config_for_model(model_type: str, kwargs: dict[str, Any]) -> Any:
+    """`AutoConfig.for_model`, with transformers' refusal of a bad architecture as a config error."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        return AutoConfig.for_model(model_type, **kwargs)
+    except (ValueError, TypeError, StrictDataclassError) as err:
+        reason = str(getattr(err, "__cause__", None) or err).strip()
+        raise UserInputError(
+            f"model.config: transformers cannot build a {model_type!r} config: {reason}"
+        ) from None
+
+
 def _init_from_config(
     cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, auto: Any, *, max_length: int
 ) -> PreTrainedModel:
@@ -76,12 +108,8 @@ def _init_from_config(
     kwargs.update(_special_token_ids(tokenizer))
     if auto is AutoModelForSequenceClassification:
         kwargs["num_labels"] = 1
-    try:
-        config = AutoConfig.for_model(model_type, **kwargs)
-    except (ValueError, TypeError) as err:
-        raise UserInputError(
-            f"model.config: transformers cannot build a {model_type!r} config: {err}"
-        ) from None
+    config = config_for_model(model_type, kwargs)
+    apply_router_settings(config, cfg.moe)
     return auto.from_config(
         config,
         dtype=DTYPES[cfg.dtype],
@@ -103,10 +131,17 @@ def _load_pretrained(cfg: ModelConfig, auto: Any, quantization: BitsAndBytesConf
     extra: dict[str, Any] = {"num_labels": 1} if auto is AutoModelForSequenceClassification else {}
     if quantization is not None:
         extra["quantization_config"] = quantization
+    # Absolute, so that adapters trained on it record a base path that loads from anywhere.
+    source = str(path.resolve()) if path.exists() else str(cfg.path)
     try:
+        if cfg.moe is not None:  # the router settings go into the config the weights load under
+            labels = {"num_labels": extra.pop("num_labels")} if "num_labels" in extra else {}
+            extra["config"] = AutoConfig.from_pretrained(
+                source, trust_remote_code=cfg.trust_remote_code, **labels
+            )
+            apply_router_settings(extra["config"], cfg.moe)
         return auto.from_pretrained(
-            # Absolute, so that adapters trained on it record a base path that loads from anywhere.
-            str(path.resolve()) if path.exists() else str(cfg.path),
+            source,
             **extra,
             dtype=DTYPES[cfg.dtype],
             attn_implementation=cfg.attn_implementation,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -17,7 +18,15 @@ from peft import PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_tra
 from transformers import BitsAndBytesConfig, PreTrainedModel
 
 from lmforge.config.schema import ADAPTER_METHODS, ModelConfig, TrainConfig
+from lmforge.config.schema import LoraConfig as LoraSettings
 from lmforge.errors import UserInputError
+from lmforge.models.adapter_audit import (
+    audit_adapters,
+    check_targets_adapted,
+    check_targets_exist,
+    report_audit,
+)
+from lmforge.models.moe import add_router_loss_in_training, fused_expert_parameters, is_moe
 
 log = logging.getLogger(__name__)
 
@@ -70,18 +79,17 @@ def quantization_for(cfg: TrainConfig, compute_dtype: torch.dtype) -> BitsAndByt
 
 
 def apply_training_method(
-    base: PreTrainedModel, cfg: TrainConfig, *, head: Head = "causal"
+    base: PreTrainedModel, cfg: TrainConfig, *, head: Head = "causal", audit_path: Path | None = None
 ) -> PreTrainedModel | PeftModel:
-    """The model with only the weights `cfg.method` trains left trainable."""
+    """The model with only the weights `cfg.method` trains left trainable; an adapter method's
+    audit (what got adapters) is logged, and written to `audit_path` when given. A
+    Mixture-of-Experts model adds its router loss in every training forward."""
     model: Any = base
     if cfg.method == "freeze":
         freeze_all_but_top_layers(model, cfg.freeze.trainable_layers, cfg.freeze.trainable_modules)
     elif cfg.method in ADAPTER_METHODS:
-        if cfg.method == "qlora":
-            model = prepare_model_for_kbit_training(
-                model, use_gradient_checkpointing=cfg.gradient_checkpointing
-            )
-        model = get_peft_model(model, lora_config(cfg, head))
+        model = _with_adapters(model, cfg, head, audit_path)
+    add_router_loss_in_training(model)
     trainable, total = trainable_parameters(model)
     log.info(
         "method %s: %.2fM of %.2fM parameters train (%.2f%%)",
@@ -93,13 +101,76 @@ def apply_training_method(
     return model
 
 
-def lora_config(cfg: TrainConfig, head: Head) -> PeftLoraConfig:
+def _with_adapters(model: Any, cfg: TrainConfig, head: Head, audit_path: Path | None) -> PeftModel:
+    """get_peft_model with every requested target checked before and after, and the audit reported."""
+    parameters = target_parameters_for(model, cfg)
+    if parameters and cfg.method == "dora":
+        raise UserInputError(
+            f"train.method: dora has no adapters for parameters (PEFT), and this run targets {', '.join(parameters)} "
+            "(train.lora.target_parameters; by default the fused experts of an MoE model); use train.method: "
+            "lora, or set train.lora.target_parameters: [] to leave those weights frozen"
+        )
+    check_targets_exist(model, cfg.lora, parameters)
+    if cfg.method == "qlora":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+    peft_config = lora_config(cfg, head, parameters)
+    try:
+        model = get_peft_model(model, peft_config)
+    except ValueError as err:  # a named module PEFT cannot wrap (a router, a norm, ...)
+        raise UserInputError(f"train.lora: PEFT cannot adapt the targets given ({err})") from None
+    audit = audit_adapters(model)
+    check_targets_adapted(audit, cfg.lora, parameters)
+    request = {
+        "method": cfg.method,
+        "target_modules": cfg.lora.target_modules,
+        "target_parameters": parameters,
+        "dropout": peft_config.lora_dropout,
+    }
+    report_audit(audit, request, audit_path)
+    return model
+
+
+def target_parameters_for(model: PreTrainedModel, cfg: TrainConfig) -> list[str]:
+    """train.lora.target_parameters, or by default (all-linear on an MoE model) every fused expert
+    parameter: transformers 5 stores experts as 3-D parameters, which no linear-layer target reaches."""
+    lora = cfg.lora
+    if lora.target_parameters is not None:
+        return list(lora.target_parameters)
+    if lora.target_modules == "all-linear" and is_moe(model.config):
+        return fused_expert_parameters(model)
+    return []
+
+
+def lora_dropout(cfg: TrainConfig, target_parameters: list[str]) -> float:
+    """train.lora.dropout, except that adapters on parameters (fused MoE experts) cannot drop out:
+    PEFT applies an adapter to a parameter as a weight delta, with no input to drop. At its default
+    value the dropout is then 0 (said in the log; a recorded config.yaml that spells the default out
+    runs too); another value above 0 is refused."""
+    lora = cfg.lora
+    if not target_parameters or lora.dropout == 0:
+        return lora.dropout
+    if lora.dropout != LoraSettings.model_fields["dropout"].default:
+        raise UserInputError(
+            f"train.lora.dropout={lora.dropout}: adapters on parameters ({', '.join(target_parameters)}) train "
+            "without dropout (PEFT adapts a parameter as a weight delta, with no input to drop); set "
+            "train.lora.dropout: 0, or leave train.lora.target_parameters empty ([])"
+        )
+    log.info(
+        "train.lora.dropout: 0 (not the default %s): the adapters on %s cannot drop out",
+        lora.dropout,
+        ", ".join(target_parameters),
+    )
+    return 0.0
+
+
+def lora_config(cfg: TrainConfig, head: Head, target_parameters: list[str] | None = None) -> PeftLoraConfig:
     lora = cfg.lora
     return PeftLoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
+        lora_dropout=lora_dropout(cfg, target_parameters or []),
         target_modules=lora.target_modules,
+        target_parameters=target_parameters or None,
         modules_to_save=lora.modules_to_save or None,
         use_dora=cfg.method == "dora",
         # SEQ_CLS makes PEFT train and save the new reward head with the adapter.

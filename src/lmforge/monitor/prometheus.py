@@ -62,6 +62,18 @@ METRICS: tuple[Exported, ...] = (
         "comm_reduce_scatter_s", "lmforge_comm_reduce_scatter_seconds", "Seconds per step in reduce-scatter."
     ),
     Exported("comm_all_gather_s", "lmforge_comm_all_gather_seconds", "Seconds per step in all-gather."),
+    # Mixture-of-Experts models (lmforge.train.moe_metrics); the per-expert counts stay in the sinks.
+    Exported(
+        "moe_load_max_over_mean",
+        "lmforge_moe_load_max_over_mean",
+        "Busiest expert's load / mean, worst layer.",
+    ),
+    Exported("moe_load_cv", "lmforge_moe_load_cv", "Coefficient of variation of expert loads, worst layer."),
+    Exported(
+        "moe_aux_loss",
+        "lmforge_moe_aux_loss",
+        "Router load-balancing auxiliary loss (before its coefficient).",
+    ),
     Exported("rss_gb", "lmforge_rss_bytes", "Resident memory of the training process.", GB),
     Exported(
         "gpu_mem_allocated_gb", "lmforge_gpu_memory_allocated_bytes", "torch CUDA memory allocated.", GB

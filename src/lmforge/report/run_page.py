@@ -313,6 +313,9 @@ def _strategy_line(dist: DistributedConfig, manifest: dict[str, Any]) -> str:
             strategy += f" ZeRO-{used['zero_stage']}"
         if engine != "none":
             strategy += f" x {used.get('world_size', '?')} processes"
+        layout = used.get("layout")
+        if isinstance(layout, dict) and int(layout.get("tensor", 1)) > 1:
+            strategy += f" (mesh: data {layout.get('data')} x tensor {layout['tensor']})"
         return f"{strategy} on {devices}"
     strategy = dist.strategy
     if dist.strategy == "deepspeed":

@@ -11,12 +11,15 @@ from __future__ import annotations
 from lmforge.monitor.metrics import RL_METRIC_PREFIXES
 from lmforge.report.html import esc
 from lmforge.report.load import RunSummary
+from lmforge.report.moe_section import expert_load_section
 from lmforge.report.plots import PALETTE, Chart, Line, render_chart
 
+MOE_TITLE = "Mixture of experts"
 # (section title, key prefixes); a key belongs to the first family whose prefix it starts with.
+# The per-layer, per-expert counts (moe/layer{i}/...) are tables after the MoE charts, not charts.
 FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Reinforcement learning", RL_METRIC_PREFIXES),
-    ("Mixture of experts", ("moe_", "aux_loss", "router_", "expert_")),
+    (MOE_TITLE, ("moe_", "aux_loss", "router_", "expert_")),
 )
 MAX_CHARTS = 16  # per family: a page stays readable whatever a stage logs
 
@@ -35,7 +38,8 @@ def stage_metrics_sections(run: RunSummary) -> str:
     parts = []
     for title, prefixes in FAMILIES:
         keys = stage_metric_keys(run, prefixes)
-        if not keys:
+        tables = expert_load_section(run) if title == MOE_TITLE else ""
+        if not keys and not tables:
             continue
         charts = [
             render_chart(
@@ -50,5 +54,5 @@ def stage_metrics_sections(run: RunSummary) -> str:
         ]
         more = len(keys) - MAX_CHARTS
         note = f'<p class="missing">{more} more in metrics.jsonl</p>' if more > 0 else ""
-        parts.append(f'<h2>{esc(title)}</h2><div class="charts">{"".join(charts)}</div>{note}')
+        parts.append(f'<h2>{esc(title)}</h2><div class="charts">{"".join(charts)}</div>{note}{tables}')
     return "".join(parts)

@@ -32,6 +32,7 @@ from lmforge.train.eval_generations import eval_generations_callbacks
 from lmforge.train.guard_callback import GuardCallback
 from lmforge.train.histograms import HistogramCallback
 from lmforge.train.memory_savers import check_chunked_loss_fits
+from lmforge.train.moe_metrics import expert_load_callback
 from lmforge.train.profiling import ProfileCallback
 from lmforge.train.rl_samples import RlSamples
 from lmforge.train.rl_stage import RL_STAGES
@@ -87,6 +88,8 @@ def assemble_trainer(
     watched = cfg.monitor.enabled
     comm = comm_timing(cfg.monitor, plan.engine, plan.world.size)  # None unless distributed and watched
     comm_record = comm.take_window if comm is not None else dict
+    experts = expert_load_callback(model, plan.world.size) if watched else None  # MoE models only
+    expert_record = experts.take_record if experts is not None else dict
     metrics_callback = MetricsCallback(
         metrics,
         step_record=(
@@ -94,6 +97,7 @@ def assemble_trainer(
                 **guard.extra_metrics(logs, window),
                 **monitor.system_metrics(),
                 **comm_record(),
+                **expert_record(),
             }
         )
         if watched
@@ -121,6 +125,8 @@ def assemble_trainer(
             drills=guard.step.drills,
         ),
         _FinalStepCallback(has_eval),
+        # After it: the expert load is taken at each step that logs, the last one included.
+        *([experts] if experts is not None else []),
         ShardReport(sum(p.numel() for p in model.parameters()), plan.engine),
         EngineStartup(
             plan.describe_engine(),

@@ -81,11 +81,19 @@ class LaunchChanges:
     harmless: list[Change]
 
 
+# The settings whose product with the data-parallel degree is the global batch.
+BATCH_KEYS = ("train.micro_batch_size", "train.grad_accum")
+GLOBAL_BATCH = "global batch (micro_batch_size x grad_accum x data-parallel processes)"
+
+
 def changes_since_last_launch(
-    cfg: LmforgeConfig, paths: RunPaths, fingerprints: dict[str, str]
+    cfg: LmforgeConfig, paths: RunPaths, fingerprints: dict[str, str], *, data_parallel: int = 1
 ) -> LaunchChanges:
     """The resolved config (`cfg`, precision already resolved) and the data / tokenizer
-    fingerprints against the run directory's config.yaml and manifest.json."""
+    fingerprints against the run directory's config.yaml and manifest.json. `data_parallel`: this
+    launch's data-parallel degree, compared with the one manifest.json recorded, so that a resume on
+    another number of processes with the same global batch is the same maths (and one that keeps
+    micro-batch and accumulation but changes the global batch is not)."""
     recorded = read_recorded_config(paths.config)
     if not recorded.found:
         return LaunchChanges([], [])
@@ -100,11 +108,54 @@ def changes_since_last_launch(
         change = Change(key, before.get(key), after.get(key))
         (maths if key.startswith(MATHS_KEYS) else harmless).append(change)
     manifest = read_json_object(paths.manifest)
+    maths, harmless = _judge_global_batch(before, after, manifest, data_parallel, maths, harmless)
     for name in FINGERPRINTS:
         old = manifest.get(name)
         if old is not None and old != fingerprints.get(name):
             maths.append(Change(name, old[:12], str(fingerprints.get(name))[:12]))
     return LaunchChanges(maths, harmless)
+
+
+def _judge_global_batch(
+    before: dict[str, Any],
+    after: dict[str, Any],
+    manifest: dict[str, Any],
+    data_parallel: int,
+    maths: list[Change],
+    harmless: list[Change],
+) -> tuple[list[Change], list[Change]]:
+    """Micro-batch and accumulation matter through the global batch they make with the world: the
+    same global batch on another number of processes runs the same steps (resharding resume)."""
+    old_parallel = recorded_data_parallel(manifest)
+    old_batch = _global_batch(before, old_parallel)
+    new_batch = _global_batch(after, data_parallel)
+    if old_batch is None or new_batch is None:
+        return maths, harmless
+    if old_batch == new_batch:
+        moved = [c for c in maths if c.key in BATCH_KEYS]
+        return [c for c in maths if c.key not in BATCH_KEYS], [*harmless, *moved]
+    words = (f"{old_batch} on {old_parallel} process(es)", f"{new_batch} on {data_parallel} process(es)")
+    return [*maths, Change(GLOBAL_BATCH, *words)], harmless
+
+
+def _global_batch(flat: dict[str, Any], data_parallel: int) -> int | None:
+    micro, accum = flat.get(BATCH_KEYS[0]), flat.get(BATCH_KEYS[1])
+    if not isinstance(micro, int) or not isinstance(accum, int):
+        return None
+    return micro * accum * data_parallel
+
+
+def recorded_data_parallel(manifest: dict[str, Any]) -> int:
+    """The data-parallel degree of the launch that wrote manifest.json (world size / model-parallel
+    degree; 1 for a manifest written before lmforge recorded its engine)."""
+    summary = manifest.get("distributed")
+    if not isinstance(summary, dict):
+        return 1
+    layout = summary.get("layout")
+    if isinstance(layout, dict) and isinstance(layout.get("data"), int):
+        return int(layout["data"])
+    world = summary.get("world_size")
+    return int(world) if isinstance(world, int) else 1
 
 
 def refuse_unless_allowed(changes: LaunchChanges, cfg: LmforgeConfig, paths: RunPaths) -> None:

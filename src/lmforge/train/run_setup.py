@@ -64,7 +64,9 @@ def set_up_run(cfg: LmforgeConfig, plan: Plan, paths: RunPaths) -> RunSetup:
         changes = LaunchChanges([], [])
         if world.is_main:
             if resume is not None:
-                changes = changes_since_last_launch(resolved, paths, fingerprints)
+                changes = changes_since_last_launch(
+                    resolved, paths, fingerprints, data_parallel=plan.layout.data
+                )
                 refuse_unless_allowed(changes, cfg, paths)  # before any model is built
                 keep_launch_history(paths)
             write_resolved_config(resolved, paths)

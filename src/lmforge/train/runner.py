@@ -24,6 +24,7 @@ from lmforge.ckpt.safe_load import no_code_from_checkpoints
 from lmforge.config import LmforgeConfig, dump_config
 from lmforge.config.schema import MonitorConfig
 from lmforge.distributed.strategy import Plan, plan_for
+from lmforge.distributed.tensor_parallel import shard_tensor_parallel
 from lmforge.errors import TrainingStopped, WorkFailed, explain_write_failure
 from lmforge.evaluate.samples import sample_generations
 from lmforge.models.build import build_model, count_parameters
@@ -140,11 +141,15 @@ def _train_run(
     )
     parameters = count_parameters(model)
     log.info("model: %s, %.2fM parameters", model.config.model_type, parameters / 1e6)
+    # Before anything reads the parameters: each rank keeps its slice (a no-op without tensor_parallel).
+    shard_tensor_parallel(model, plan.layout, on_gpu=torch.cuda.is_available())
     # The reference is the starting model, frozen: copied before any weight trains.
     reference = copy.deepcopy(model).eval() if needs_reference_model(cfg) else None
     if cfg.train.stage in RL_STAGES:
         reference_model_path(model, cfg.train, paths, is_main=world.is_main)
-    model = apply_training_method(model, cfg.train, head=head)
+    model = apply_training_method(
+        model, cfg.train, head=head, audit_path=paths.adapter_audit if world.is_main else None
+    )
 
     monitor = open_run_monitor(
         cfg.monitor

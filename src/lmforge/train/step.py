@@ -63,6 +63,7 @@ class TrainStep:
     drills: Drills = field(default_factory=Drills)
     rank: int = 0
     world_size: int = 1
+    batch_replicas: int = 1  # ranks that read one batch (a tensor-parallel group): counted once
     oom_backoff: bool = True
     global_batch: int = 0
     max_grad_norm: float = 0.0
@@ -186,7 +187,7 @@ class TrainStep:
         losses = [row[0] for row in rows]
         self.loss_mean = math.fsum(losses) / len(losses) if not any(map(math.isnan, losses)) else math.nan
         self.loss_max = max(losses) if not any(map(math.isnan, losses)) else math.nan
-        return int(round(sum(row[1] for row in rows)))
+        return int(round(sum(row[1] for row in rows) / self.batch_replicas))
 
     def _judge(self, step: int, grad_norm: Any) -> Verdict:
         if self.guardrails is None:
@@ -227,9 +228,23 @@ class TrainStep:
             # not two per tensor: 78 syncs on llama-tiny cost 4 ms a logged step on an H100.
             before = [b.float() for _, b in pairs]
             deltas = [p.float() - b for (p, _), b in zip(pairs, before, strict=True)]
-            sums = torch.stack([get_total_norm(deltas), get_total_norm(before)]).double().pow(2)
-            if any(isinstance(p, DTensor) for p in self._ratio_params) and dist.is_initialized():
-                # FSDP: each rank holds one shard of every tensor; the norms are over the whole ones.
+            sharded = any(isinstance(p, DTensor) for p in self._ratio_params) and dist.is_initialized()
+            if not sharded:
+                sums = torch.stack([get_total_norm(deltas), get_total_norm(before)]).double().pow(2)
+            else:
+                # FSDP: each rank holds one shard of every tensor; the norms are over the whole ones,
+                # each element counted once though a tensor-parallel group may repeat it (holders).
+                world = dist.get_world_size()
+                groups: dict[int, list[int]] = {}
+                for index, param in enumerate(self._ratio_params):
+                    groups.setdefault(_holders(param, world), []).append(index)
+                sums = torch.zeros(2, dtype=torch.float64, device=before[0].device)
+                for holders, group in groups.items():
+                    norms = [
+                        get_total_norm([deltas[i] for i in group]),
+                        get_total_norm([before[i] for i in group]),
+                    ]
+                    sums += torch.stack(norms).double().pow(2) / holders
                 sums = sums.to(collective_device())
                 dist.all_reduce(sums)
             delta, size = sums.tolist()
@@ -328,6 +343,16 @@ def group_learning_rates(optimizer: Any) -> dict[str, float]:
 
 def logs_at(args: Any, step: int) -> bool:
     return step == 1 or bool(args.logging_steps and step % args.logging_steps == 0)
+
+
+def _holders(param: torch.Tensor, world: int) -> int:
+    """Ranks that store each element of `param`: all of them for a whole tensor, the world over its
+    shard count for a DTensor (FSDP2 alone: 1; a norm weight on the data dimension of a 2-D mesh:
+    the tensor degree, one copy per rank of a tensor group)."""
+    if not isinstance(param, DTensor):
+        return world
+    shards = math.prod(param.device_mesh.size(i) for i, p in enumerate(param.placements) if p.is_shard())
+    return max(world // shards, 1)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from transformers import Trainer
 
 from lmforge.config.schema import TrainConfig
 from lmforge.distributed.fsdp import CpuFsdp
+from lmforge.distributed.reshard import ReshardResume
 from lmforge.errors import UserInputError
 from lmforge.train.batches import batch_size, split_batch
 from lmforge.train.memory_savers import memory_savers
@@ -165,13 +166,14 @@ class StepHooks:
         return total
 
 
-class LmforgeTrainer(CpuFsdp, StepHooks, Trainer):  # type: ignore[misc]
-    """HF Trainer with lmforge's step (pretrain and sft) and real FSDP2 on CPU too."""
+class LmforgeTrainer(CpuFsdp, ReshardResume, StepHooks, Trainer):  # type: ignore[misc]
+    """HF Trainer with lmforge's step (pretrain and sft), real FSDP2 on CPU too, and resumes of
+    checkpoints another world size wrote."""
 
 
 def with_lmforge_step(trainer_class: type[Trainer]) -> type[Trainer]:
-    """`trainer_class` (a TRL trainer) with CpuFsdp and StepHooks mixed in."""
-    return type(f"Lmforge{trainer_class.__name__}", (CpuFsdp, StepHooks, trainer_class), {})
+    """`trainer_class` (a TRL trainer) with CpuFsdp, ReshardResume and StepHooks mixed in."""
+    return type(f"Lmforge{trainer_class.__name__}", (CpuFsdp, ReshardResume, StepHooks, trainer_class), {})
 
 
 def tied_aliases(model: torch.nn.Module) -> set[str]:

@@ -1,0 +1,166 @@
+"""FSDP2 alone vs FSDP2 x tensor parallelism (data_shard 2 x tensor 2) on 4 processes: training
+throughput and peak memory per rank at the same global batch, side by side in one invocation.
+
+Same model, data, seed and global batch: FSDP2 alone runs 4 data ranks x `--micro` sequences,
+FSDP2 x TP 2 data ranks x 2 `--micro` (each tensor group of 2 ranks reads one batch). Each run's
+throughput is the median `tokens_per_s` (global, every token counted once) of its logged steps
+after `--warmup` (metrics.jsonl); its memory is each rank's peak RSS (getrusage, written by the
+worker at the end of training). Runs alternate fsdp, fsdp x tp for `--repeats` rounds. On CPU
+(gloo) the tensor-parallel all-reduces run inside every layer, so expect TP to lose throughput and
+save per-rank memory; the ratios, not the absolute figures, carry over between machines.
+
+    .venv/bin/python bench/fsdp_vs_tp.py                      # llama, hidden 512 x 8 layers (~30M)
+    .venv/bin/python bench/fsdp_vs_tp.py --hidden 128 --layers 2 --steps 6 --warmup 2 --seq 64   # smoke
+
+Under torchrun the same file is the worker (`--worker CONFIG`): `lmforge train`'s run_training
+with a callback that records the rank's peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PROCESSES = 4
+TENSOR = 2
+
+
+def write_config(out: Path, name: str, args: argparse.Namespace, *, tensor: int) -> Path:
+    data_ranks = PROCESSES // tensor
+    config = {
+        "run": {"name": name, "output_dir": str(out), "seed": 0, "overwrite": True},
+        "model": {
+            "preset": "llama-tiny",
+            "config": {
+                "hidden_size": args.hidden,
+                "intermediate_size": args.hidden * 11 // 4,
+                "num_hidden_layers": args.layers,
+                "num_attention_heads": args.hidden // 64 if args.hidden >= 256 else 4,
+                "num_key_value_heads": max(args.hidden // 128, 2) if args.hidden >= 256 else 2,
+            },
+        },
+        "tokenizer": {"train": {"vocab_size": args.vocab, "max_chars": 3_000_000}},
+        "data": {
+            "train": [{"path": "builtin:python-stdlib", "max_documents": 400}],
+            "max_length": args.seq,
+            "cache_dir": str(out / "cache"),
+        },
+        "train": {
+            "max_steps": args.steps,
+            # The same global batch: PROCESSES x micro sequences either way.
+            "micro_batch_size": args.micro * PROCESSES // data_ranks,
+            "precision": "fp32",
+            "resume": "never",
+            "save_every": None,
+            "log_every": 1,
+        },
+        "distributed": {"strategy": "fsdp", "tensor_parallel": tensor},
+        "monitor": {"eval_generations": None, "loggers": []},
+    }
+    path = out / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def timed_run(out: Path, name: str, args: argparse.Namespace, *, tensor: int) -> tuple[float, list[int]]:
+    """(median global tokens/s after the warm-up, peak RSS bytes of each rank)."""
+    config = write_config(out, name, args, tensor=tensor)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(PROCESSES),
+        "--master_port", str(_free_port()), __file__, "--worker", str(config),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{done.stderr[-4000:]}")
+    run_dir = out / name
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steady = [r["tokens_per_s"] for r in records if r.get("step", 0) > args.warmup and "tokens_per_s" in r]
+    rss = [json.loads((run_dir / f"peak_rss_rank{r}.json").read_text())["bytes"] for r in range(PROCESSES)]
+    return statistics.median(steady), rss
+
+
+def worker(config_path: Path) -> None:
+    """One rank of a run: lmforge's training, then this rank's peak RSS into the run directory."""
+    from transformers import TrainerCallback
+
+    from lmforge.config import load_config
+    from lmforge.train.runner import run_training
+
+    class PeakRss(TrainerCallback):  # type: ignore[misc]
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+            (Path(cfg.run.dir) / f"peak_rss_rank{os.environ['RANK']}.json").write_text(
+                json.dumps({"bytes": peak})
+            )
+
+    cfg = load_config(config_path)
+    run_training(cfg, extra_callbacks=[PeakRss()])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--micro", type=int, default=2, help="sequences per rank under FSDP2 alone")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        worker(args.worker)
+        return
+    runs: dict[str, list[tuple[float, list[int]]]] = {"fsdp": [], "fsdp x tp": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        warm = argparse.Namespace(**{**vars(args), "steps": 2, "warmup": 0})
+        timed_run(out, "warm", warm, tensor=1)  # the tokenizer and the data cache, shared by both
+        for repeat in range(args.repeats):
+            for name, tensor in (("fsdp", 1), ("fsdp x tp", TENSOR)):
+                tokens, rss = timed_run(out, f"{name.replace(' ', '')}-{repeat}", args, tensor=tensor)
+                runs[name].append((tokens, rss))
+                peak = ", ".join(f"{b / 2**20:.0f}" for b in rss)
+                print(f"{name:9} {tokens:9.0f} tokens/s  peak RSS per rank (MiB): {peak}", flush=True)
+    fsdp_tokens = statistics.median(t for t, _ in runs["fsdp"])
+    tp_tokens = statistics.median(t for t, _ in runs["fsdp x tp"])
+    fsdp_rss = statistics.median(max(r) for _, r in runs["fsdp"])
+    tp_rss = statistics.median(max(r) for _, r in runs["fsdp x tp"])
+    print(
+        f"model: llama hidden {args.hidden} x {args.layers} layers, seq {args.seq}, global batch {PROCESSES * args.micro}"
+    )
+    print(
+        f"fsdp (data_shard=4):            {fsdp_tokens:9.0f} tokens/s, max peak RSS {fsdp_rss / 2**20:.0f} MiB"
+    )
+    print(
+        f"fsdp x tp (data_shard=2 x tp=2): {tp_tokens:9.0f} tokens/s, max peak RSS {tp_rss / 2**20:.0f} MiB"
+    )
+    print(
+        f"ratios fsdp x tp / fsdp: throughput {tp_tokens / fsdp_tokens:.3f}, peak RSS {tp_rss / fsdp_rss:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

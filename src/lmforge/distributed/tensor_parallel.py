@@ -1,0 +1,178 @@
+"""Tensor parallelism, alone or with FSDP2 on a 2-D (data_shard x tensor) mesh, through the HF Trainer.
+
+The engines are transformers' tensor-parallel plan (`tp_plan`: which linear layers split by
+output columns, which by input rows, on torch DTensor) and torch FSDP2 (`fully_shard`) over the
+data dimension of one torch device mesh. No parallel maths lives here: this module builds the
+mesh, hands each engine its dimension, and tells accelerate where the data dimension is.
+
+Why not accelerate's own path (`TrainingArguments(parallelism_config=ParallelismConfig(...))`),
+measured with accelerate 1.15 and transformers 5.23:
+- on CPU, `Accelerator()` refuses any ParallelismConfig under MULTI_CPU, the same fallback that
+  distributed/fsdp.py switches to FSDP after the fact;
+- under FSDP2, `Accelerator._prepare_tp` imports `ReplicateParallel` from
+  `transformers.integrations.tensor_parallel`, which transformers 5.23 removed: every FSDP2 x TP
+  `prepare()` raises ImportError, whatever the device (tests/test_tensor_parallel.py watches for
+  a fix);
+- transformers' own `from_pretrained(distributed_config=DistributedConfig(tp_size=...))` marks
+  the model "sharded at load time", and the Trainer then refuses to checkpoint its optimizer.
+
+So: `shard_tensor_parallel` applies the model's tp_plan on the mesh's `tp` dimension right after
+the model is built (every rank builds the same weights from the same seed or files, and each
+keeps its slice). Once the Trainer has its Accelerator, `shard_data_over_mesh` (called by
+`fsdp.CpuFsdp`) wraps the decoder layers and the root with FSDP2 over `dp_shard`, with the FSDP
+plugin's own mixed precision, offload and resharding, and gives accelerate the mesh, from which
+its data loader shards batches over the data dimension only: the ranks of one tensor group read
+the same batch. From there the Trainer takes its FSDP2 path unchanged: DTensor-aware gradient
+clipping, torch-DCP checkpoints that resume, a full model gathered at the end. Tensor parallelism
+alone is the same mesh with data_shard = 1 (FSDP2 over one rank shards nothing; it carries the
+checkpointing and the data-loader mesh).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lmforge.distributed.layout import Layout
+from lmforge.distributed.ranks import ensure_process_group
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "build_mesh",
+    "gather_once_per_tensor_group",
+    "local_shapes",
+    "shard_data_over_mesh",
+    "shard_tensor_parallel",
+    "tensor_parallel_plan",
+]
+
+# The model attribute that carries the mesh from model building to the Trainer's Accelerator.
+MESH_ATTRIBUTE = "lmforge_device_mesh"
+DATA_DIM, TENSOR_DIM = "dp_shard", "tp"
+
+
+def build_mesh(layout: Layout, *, on_gpu: bool) -> Any:
+    """The (dp_shard, tp) device mesh, tensor innermost: a tensor group is neighbouring ranks.
+
+    The dimension names are accelerate's: its data loader reads `dp_shard` and `tp` off the mesh
+    to give the ranks of a tensor group the same batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ensure_process_group()
+    return init_device_mesh(
+        "cuda" if on_gpu else "cpu",
+        (layout.data, layout.tensor),
+        mesh_dim_names=(DATA_DIM, TENSOR_DIM),
+    )
+
+
+def tensor_parallel_plan(model: PreTrainedModel, degree: int) -> dict[str, str]:
+    """The model's tp_plan resolved by transformers for `degree` ranks: one entry per parameter
+    (how it is split) and per module (the forward hooks that move activations between ranks).
+
+    A tied output head is the input embedding under a second name; `named_parameters()` lists it
+    once, so its own entry is dropped here and the head is tied back to the sharded embedding
+    (both split the vocabulary on dim 0, so one DTensor serves both)."""
+    from transformers.distributed import DistributedConfig
+
+    plan, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=degree))
+    names = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_modules()}
+    return {name: style for name, style in plan.items() if name in names}
+
+
+def shard_tensor_parallel(model: PreTrainedModel, layout: Layout, *, on_gpu: bool) -> None:
+    """Split the model's attention heads and MLP columns over the mesh's tensor dimension, in place.
+
+    A no-op unless `layout.tensor > 1`. Each rank must hold the same full weights beforehand
+    (same seed or same files): every parameter keeps this rank's slice, no data moves."""
+    if layout.tensor == 1:
+        return
+    from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+
+    mesh = build_mesh(layout, on_gpu=on_gpu)
+    if on_gpu:  # each slice stays on the device its weights are on: this rank's GPU
+        model.to(torch.device("cuda", torch.cuda.current_device()))  # type: ignore[arg-type]  # transformers' .to stub
+    apply_tensor_parallelism(model, mesh[TENSOR_DIM], tensor_parallel_plan(model, layout.tensor))
+    model.tie_weights()  # the head pointed at the embedding that sharding replaced
+    setattr(model, MESH_ATTRIBUTE, mesh)
+    log.info("tensor parallel: %s split over %d ranks per tensor group", type(model).__name__, layout.tensor)
+
+
+def shard_data_over_mesh(trainer: Any, layer_classes: list[str]) -> bool:
+    """FSDP2 over the data dimension of a tensor-parallel model's mesh; True if it applied.
+
+    Called once the Trainer's Accelerator exists (its FSDP plugin holds the mixed precision,
+    offload and resharding settings, as accelerate would pass them to `fully_shard`). Decoder
+    layers (`layer_classes`) are the FSDP units, then the root (embeddings, final norm and head,
+    tied or not, in one group). The Accelerator gets the mesh for its data loader; the model its
+    tensor degree, by which the Trainer divides its token count and loss scale
+    (`Trainer.get_tp_size`: the ranks of a tensor group share one batch); and the Accelerator an
+    eval gather that counts each batch once (`gather_once_per_tensor_group`)."""
+    model, accelerator = trainer.model, trainer.accelerator
+    mesh = getattr(model, MESH_ATTRIBUTE, None)
+    if mesh is None:
+        return False
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    plugin = accelerator.state.fsdp_plugin
+    settings: dict[str, Any] = {
+        "mesh": mesh[DATA_DIM],
+        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+        "offload_policy": plugin.cpu_offload or OffloadPolicy(),
+    }
+    for module in model.modules():
+        if type(module).__name__ in layer_classes:
+            fully_shard(module, reshard_after_forward=plugin.reshard_after_forward, **settings)
+    fully_shard(model, **settings)  # the root: FSDP2 keeps its parameters gathered after forward
+    accelerator.state.device_mesh = mesh
+    model._tp_size = mesh[TENSOR_DIM].size()
+    # On the Accelerator too: evaluation resets the Trainer's `gather_function` to
+    # `accelerator.gather_for_metrics` after every loop.
+    gather = gather_once_per_tensor_group(accelerator, mesh[TENSOR_DIM].size())
+    accelerator.gather_for_metrics = trainer.gather_function = gather
+    return True
+
+
+def gather_once_per_tensor_group(accelerator: Any, tensor: int) -> Any:
+    """`Accelerator.gather_for_metrics` for a mesh whose tensor groups read one batch.
+
+    accelerate gathers from every rank, then cuts the last batch to the dataset's remainder as if
+    each rank had read its own samples; under tensor parallelism every batch would be counted
+    `tensor` times and the cut would keep copies instead of samples (eval_loss measured 1e-3 off
+    the single process). So gather, keep the rows of the first rank of each tensor group (rank
+    order is data-major, tensor-minor), then cut as accelerate does."""
+    from accelerate.utils import recursively_apply
+
+    def first_of_each_group(gathered: torch.Tensor) -> torch.Tensor:
+        world = accelerator.num_processes
+        rows = gathered.reshape(world, -1, *gathered.shape[1:])[::tensor]
+        return rows.reshape(-1, *gathered.shape[1:])
+
+    def gather(input_data: Any, use_gather_object: bool = False) -> Any:
+        if use_gather_object:
+            raise NotImplementedError("eval gathers Python objects: not supported under tensor parallelism")
+        kept = recursively_apply(first_of_each_group, accelerator.gather(input_data))
+        state = accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            return recursively_apply(lambda t: t[: state.remainder], kept)
+        return kept
+
+    return gather
+
+
+def local_shapes(model: nn.Module) -> dict[str, tuple[list[int], list[int]]]:
+    """Parameter name -> (full shape, shape of this rank's slice): what the rank really stores."""
+    from torch.distributed.tensor import DTensor
+
+    shapes = {}
+    for name, param in model.named_parameters():
+        data: torch.Tensor = param.to_local() if isinstance(param, DTensor) else param
+        shapes[name] = (list(param.shape), list(data.shape))
+    return shapes
