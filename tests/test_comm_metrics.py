@@ -151,6 +151,7 @@ def test_deepspeed_op_names_map_to_the_three_kinds(name: str, kind: str) -> None
     assert deepspeed_kind(name) == kind
 
 
+@pytest.mark.integration  # heavy: `make test-integration` (CI stays near its time budget)
 def test_deepspeed_comms_logger_logs_running_totals_that_a_reset_starts_over() -> None:
     """The DeepSpeed behaviour DeepSpeedComms relies on (deepspeed.comm.timed_op): each record is
     the op name's total since its timer was last reset. One process, gloo, in a subprocess."""

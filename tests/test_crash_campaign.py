@@ -69,6 +69,7 @@ def run_campaign(tmp_path: Path, corpus: Path, moments: list[Moment]) -> None:
     assert len(killed) >= len(moments) - 1, outcomes
 
 
+@pytest.mark.integration  # heavy: `make test-integration` (CI stays near its time budget)
 @pytest.mark.slow
 def test_three_kills_random_during_save_and_during_final(tmp_path: Path, corpus: Path) -> None:
     run_campaign(tmp_path, corpus, [("time", random.Random(7).uniform(4.0, 9.0)), ("save", 4), ("final", 0)])

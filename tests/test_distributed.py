@@ -263,6 +263,7 @@ def test_zero3_with_optimizer_and_parameter_offload_matches_one_process(
     )
 
 
+@pytest.mark.integration  # heavy: `make test-integration` (CI stays near its time budget)
 def test_a_users_deepspeed_json_runs_its_own_schedule_in_bf16_and_final_keeps_model_dtype(
     tmp_path: Path, corpus: Path
 ) -> None:

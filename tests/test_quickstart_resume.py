@@ -35,6 +35,7 @@ def _logged_steps(metrics: Path) -> list[int]:
     return steps
 
 
+@pytest.mark.integration  # heavy: `make test-integration` (CI stays near its time budget)
 def test_interrupted_quickstart_says_so_and_resumes(tmp_path: Path) -> None:
     out = tmp_path / "qs"
     command = [sys.executable, "-m", "lmforge.cli.main", "quickstart", "--out", str(out), *ARGS]

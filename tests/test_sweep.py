@@ -165,6 +165,7 @@ def _wait_for(condition, timeout: float = 300) -> None:  # type: ignore[no-untyp
         time.sleep(0.5)
 
 
+@pytest.mark.integration  # heavy: `make test-integration` (CI stays near its time budget)
 @pytest.mark.slow
 @pytest.mark.usefixtures("shared_cache")
 def test_a_killed_sweep_continues_without_repeating_finished_trials(tmp_path: Path) -> None:
@@ -196,6 +197,7 @@ def test_a_killed_sweep_continues_without_repeating_finished_trials(tmp_path: Pa
     assert [e["kind"] for e in events_of(sweep_dir / "trial-0001")][-1] == "finished"
 
 
+@pytest.mark.integration  # heavy: `make test-integration` (CI stays near its time budget)
 @pytest.mark.slow
 @pytest.mark.usefixtures("shared_cache")
 def test_two_processes_share_one_sqlite_study(tmp_path: Path) -> None:
