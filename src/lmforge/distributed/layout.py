@@ -34,10 +34,6 @@ class Layout:
     expert: int = 1
     sequence_parallel: bool = False
 
-    @property
-    def is_model_parallel(self) -> bool:
-        return self.tensor * self.context * self.pipeline * self.expert > 1
-
     def mesh_dims(self) -> dict[str, int]:
         """Mesh dimension name -> size, outermost first, dimensions of size 1 left out (the data
         dimension is always there: the data loader shards over it)."""
