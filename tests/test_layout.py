@@ -66,7 +66,24 @@ def test_fsdp_with_tensor_parallel_is_a_two_dimensional_mesh() -> None:
             "DeepSpeed ZeRO runs data parallelism",
         ),
         ({"pipeline_parallel": 3}, _llama(), 3, "do not divide the model's 4 layers"),
-        ({"pipeline_parallel": 2}, _llama(), 2, "does not run pipeline stages yet"),
+        (
+            {"pipeline_parallel": 2},
+            AutoConfig.for_model("gemma", hidden_size=256, num_attention_heads=4, num_key_value_heads=2),
+            2,
+            "'gemma' is not a family whose stages lmforge cuts",
+        ),
+        (
+            {"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b"},
+            _llama(),
+            2,
+            "interleaved_1f1b needs several stages per rank",
+        ),
+        (
+            {"pipeline_parallel": 2, "tensor_parallel": 2},
+            _llama(),
+            4,
+            "pipeline_parallel: 2 with tensor_parallel: 2: pipeline stages compose with data sharding (FSDP2) only",
+        ),
         ({"context_parallel": 2}, _llama(), 2, "context_parallel needs CUDA GPUs"),
         ({"expert_parallel": 2}, _llama(), 2, "'llama' is a dense model"),
     ],
@@ -75,6 +92,14 @@ def test_impossible_layouts_are_refused_with_the_reason_and_the_fix(
     settings: dict[str, Any], model: Any, world: int, says: str
 ) -> None:
     assert says in _refusal(settings, model, world)
+
+
+def test_pipeline_stages_sit_inside_the_data_dimension() -> None:
+    layout = plan_layout(DistributedConfig(strategy="fsdp", pipeline_parallel=2), _llama(), 4, on_gpu=False)
+    assert (layout.data, layout.pipeline) == (2, 2)
+    # Neighbouring ranks are one pipeline's stages: accelerate gives them one batch.
+    assert layout.mesh_dims() == {"dp_shard": 2, "pp": 2}
+    assert layout.describe() == "data_shard=2 x pipeline=2"
 
 
 def test_context_parallel_needs_a_sequence_that_splits_into_balanced_chunks() -> None:

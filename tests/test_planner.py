@@ -102,13 +102,16 @@ def test_only_degrees_the_model_allows_are_listed() -> None:
 
 
 def test_tensor_parallel_divides_weights_and_activations_and_pipelines_pay_a_bubble() -> None:
-    cfg = _config(LLAMA_7B, gradient_checkpointing=False, grad_accum=8)
+    cfg = _config(LLAMA_7B, gradient_checkpointing=False)
+    cfg = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"pipeline_microbatches": 8})})
     plan = _layouts(cfg, gpus=8, mem=None)
     one, two = _row(plan, tensor=1, context=1, pipeline=1), _row(plan, tensor=2, context=1, pipeline=1)
     assert two["activations"] == pytest.approx(one["activations"] / 2, rel=1e-6)
     assert two["logits"] == one["logits"]  # transformers' plan gathers the head's logits on every rank
     staged = _row(plan, tensor=1, context=1, pipeline=2)
     assert staged["bubble"] == pytest.approx(1 / 9, abs=1e-4)  # (p - 1) / (m + p - 1), m = 8 micro-batches
+    # 1F1B keeps p = 2 of the 8 chunks (each 1/8 of the micro-batch) of its half of the layers in flight.
+    assert staged["activations"] == pytest.approx(one["activations"] / 2 / 8 * 2, rel=1e-6)
     assert one["bubble"] == 0
     cp = _row(plan, tensor=1, context=2, pipeline=1)
     assert cp["logits"] == pytest.approx(one["logits"] / 2, rel=1e-6)

@@ -263,11 +263,18 @@ def test_accelerate_fsdp2_x_tp_path_is_still_broken_upstream() -> None:
 
 
 def lmforge_config(
-    out: Path, corpus: Path, name: str, *, micro_batch: int, steps: int = 2, **distributed: Any
+    out: Path,
+    corpus: Path,
+    name: str,
+    *,
+    micro_batch: int,
+    steps: int = 2,
+    arch: dict[str, Any] | None = None,
+    **distributed: Any,
 ) -> dict:
     return {
         "run": {"name": name, "output_dir": str(out), "seed": 0},
-        "model": {"preset": "llama-tiny", "config": TP_ARCH},
+        "model": {"preset": "llama-tiny", "config": arch or TP_ARCH},
         "tokenizer": {"train": {"vocab_size": 300}},
         "data": {"train": [{"path": str(corpus)}], "max_length": 64, "eval_fraction": 0.1},
         "train": {

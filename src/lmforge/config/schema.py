@@ -708,7 +708,15 @@ class DistributedConfig(Section):
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
         "1f1b",
         description="Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (one forward, one "
-        "backward: less activation memory), interleaved_1f1b (several stages per rank: smaller bubble).",
+        "backward: less activation memory), interleaved_1f1b (several stages per rank: smaller bubble; "
+        "refused for now: lmforge cuts one stage per rank).",
+    )
+    pipeline_microbatches: int | None = Field(
+        None,
+        ge=1,
+        description="Pipeline micro-batches each train.micro_batch_size batch is cut into (more: a smaller "
+        "bubble, (stages - 1) / (micro-batches + stages - 1)). Default: the number of stages. At most "
+        "train.micro_batch_size; 1f1b needs at least one per stage.",
     )
     expert_parallel: int = Field(
         1,

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmforge.distributed.pipeline_parallel import PIPELINE_ATTRIBUTE, save_pipeline_model
 from lmforge.distributed.tensor_parallel import shard_data_over_mesh
 
 __all__ = ["CpuFsdp", "enable_cpu_fsdp", "fsdp_training_arguments", "local_parameter_numel"]
@@ -152,6 +153,9 @@ class CpuFsdp:
             and plugin is not None
             and "SHARDED_STATE_DICT" in str(plugin.state_dict_type)
         )
+        if not _internal_call and getattr(trainer.model, PIPELINE_ATTRIBUTE, None) is not None:
+            save_pipeline_model(trainer, output_dir or trainer.args.output_dir, trainer.weights_dtype)
+            return
         # DeepSpeed's gathered state dict also carries the tied head: gather it the same way.
         if _internal_call or not (sharded or trainer.is_deepspeed_enabled):
             super().save_model(output_dir, _internal_call=_internal_call)  # type: ignore[misc]

@@ -1,8 +1,11 @@
 """`distributed.{tensor,context,pipeline,expert}_parallel` -> one device mesh, checked against the
 model and the world before anything is built.
 
-The mesh follows torchtitan's and accelerate's order: (pipeline, data, context, tensor), tensor
-innermost so a tensor-parallel group sits on neighbouring ranks (one node, the fastest links).
+The mesh follows accelerate's order: (data, context, tensor), tensor innermost so a tensor-parallel
+group sits on neighbouring ranks (one node, the fastest links). Pipeline stages compose with data
+sharding only, and also sit inside the data dimension (data, pipeline): accelerate's data loader
+gives one batch to neighbouring ranks, which is what the stages of one pipeline need (torchtitan
+puts stages outermost, across nodes; lmforge would have to shard the data itself for that).
 The data degree is what is left: world size / (tensor x context x pipeline). Expert parallelism
 borrows ranks from the data x context dimensions (experts are split over ranks that hold different
 tokens), so it adds no dimension of its own.
@@ -18,7 +21,12 @@ from typing import Any
 from lmforge.config.schema import DistributedConfig, LmforgeConfig
 from lmforge.errors import UserInputError
 
-__all__ = ["Layout", "expert_count", "launch_mesh_note", "plan_layout"]
+__all__ = ["STAGEABLE_FAMILIES", "Layout", "expert_count", "launch_mesh_note", "plan_layout"]
+
+# Families whose decoder takes `inputs_embeds` as the hidden states unchanged (no embedding scale
+# or other work between the embedding and the first layer), so a later pipeline stage can resume
+# there (distributed/pipeline_parallel.py).
+STAGEABLE_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
 @dataclass(frozen=True)
@@ -34,11 +42,17 @@ class Layout:
     expert: int = 1
     sequence_parallel: bool = False
 
+    @property
+    def on_lmforge_mesh(self) -> bool:
+        """Tensor or pipeline parallelism: lmforge builds the mesh and wraps the model on it
+        (distributed/tensor_parallel.py, pipeline_parallel.py), not accelerate."""
+        return self.tensor > 1 or self.pipeline > 1
+
     def mesh_dims(self) -> dict[str, int]:
         """Mesh dimension name -> size, outermost first, dimensions of size 1 left out (the data
         dimension is always there: the data loader shards over it)."""
         data_name = "dp_shard" if self.data_sharded else "dp_replicate"
-        dims = {"pp": self.pipeline, data_name: self.data, "cp": self.context, "tp": self.tensor}
+        dims = {data_name: self.data, "pp": self.pipeline, "cp": self.context, "tp": self.tensor}
         return {name: size for name, size in dims.items() if size > 1 or name == data_name}
 
     def describe(self) -> str:
@@ -180,11 +194,25 @@ def _pipeline_problems(settings: DistributedConfig, config: Any) -> list[str]:
             f"pipeline_parallel: {pp} with schedule {settings.pipeline_schedule} makes {stages} stages, which do "
             f"not divide the model's {layers} layers; choose a degree whose stage count divides {layers}"
         )
-    problems.append(
-        "pipeline_parallel: the training step does not run pipeline stages yet (torch.distributed.pipelining "
-        "over HF Trainer is not wired in); train this model with distributed.strategy: fsdp, with "
-        "tensor_parallel for a 2-D mesh"
-    )
+    if model_type not in STAGEABLE_FAMILIES:
+        problems.append(
+            f"pipeline_parallel: {model_type!r} is not a family whose stages lmforge cuts (a later stage resumes "
+            f"from the hidden states, which {sorted(STAGEABLE_FAMILIES)} take unchanged); use one of those, or "
+            "distributed.strategy: fsdp with tensor_parallel"
+        )
+    if settings.pipeline_schedule == "interleaved_1f1b":
+        problems.append(
+            "pipeline_schedule: interleaved_1f1b needs several stages per rank, and lmforge cuts one stage per "
+            "rank; use 1f1b (or gpipe)"
+        )
+    others = {"tensor_parallel": settings.tensor_parallel, "context_parallel": settings.context_parallel,
+              "expert_parallel": settings.expert_parallel}  # fmt: skip
+    for key, degree in others.items():
+        if degree > 1:
+            problems.append(
+                f"pipeline_parallel: {pp} with {key}: {degree}: pipeline stages compose with data sharding (FSDP2) "
+                f"only; set {key}: 1, or pipeline_parallel: 1"
+            )
     return problems
 
 

@@ -13,8 +13,9 @@ Per-device memory of a layout, with d = data, t = tensor, c = context, p = pipel
   (e p), or / (t p) when experts are tensor-split instead) sharded again d c ways by FSDP2, plus one
   decoder layer gathered whole for compute, as the FSDP rows of the strategy table count it;
 - activations: one micro-batch's (estimate.activation_bytes) over t (sequence parallelism splits the
-  norms too) and c (each rank holds seq / c tokens); a 1F1B pipeline keeps min(p, m) micro-batches of
-  its L / p layers in flight on the first stage, m being the micro-batches of one step;
+  norms too) and c (each rank holds seq / c tokens); a pipeline cuts the micro-batch into m chunks
+  (distributed.pipeline_microbatches, default p) of its L / p layers, and keeps min(p, m) of them in
+  flight on the first stage under 1F1B, all m under GPipe;
 - logits: transformers' TP plan gathers the output head's logits on every rank (colwise_rep), so TP
   does not divide them; context parallelism does;
 - bubble: (p - 1) / (v m + p - 1), v = 2 virtual stages per rank under interleaved 1F1B.
@@ -44,12 +45,13 @@ class Workload:
 
     micro_batch: int
     seq_len: int
-    grad_accum: int  # micro-batches per step: the pipeline's micro-batches
+    pipeline_microbatches: int | None  # chunks each micro-batch is cut into (None: one per stage)
     mixed: bool
     optimizer_bytes: float  # the optimizer's state per parameter (AdamW: 8)
     checkpointing: bool
     sdpa: bool
     interleaved: bool = False  # interleaved 1F1B: two virtual stages per rank
+    gpipe: bool = False  # GPipe runs every chunk's forward before any backward
 
 
 @dataclass(frozen=True)
@@ -95,12 +97,13 @@ def plan_layouts_for(config: LmforgeConfig, estimate: Estimate) -> LayoutPlan:
     work = Workload(
         micro_batch=estimate.micro_batch_size,
         seq_len=estimate.seq_len,
-        grad_accum=config.train.grad_accum,
+        pipeline_microbatches=config.distributed.pipeline_microbatches,
         mixed=estimate.mixed_precision,
         optimizer_bytes=estimate.optimizer_state_bytes_per_param,
         checkpointing=estimate.gradient_checkpointing,
         sdpa=config.model.attn_implementation != "eager",
         interleaved=config.distributed.pipeline_schedule == "interleaved_1f1b",
+        gpipe=config.distributed.pipeline_schedule == "gpipe",
     )
     budget = None if estimate.gpu_mem_bytes is None else estimate.gpu_mem_bytes * (1 - estimate.headroom)
     return plan_layouts(
@@ -170,9 +173,11 @@ def _layout_memory(
         checkpointing=work.checkpointing,
         sdpa=work.sdpa,
     )
-    micro_batches = max(work.grad_accum, 1)
-    in_flight = min(pipeline, micro_batches)
-    activations = int(whole / tensor / pipeline * in_flight)
+    # The pipeline cuts each micro-batch into m chunks; 1F1B keeps min(p, m) of them in flight on
+    # the first stage, GPipe all m.
+    micro_batches = work.pipeline_microbatches or pipeline
+    in_flight = micro_batches if work.gpipe else min(pipeline, micro_batches)
+    activations = int(whole / micro_batches / tensor / pipeline * in_flight) if pipeline > 1 else int(whole / tensor)
     logits = logits_bytes(shape, batch=work.micro_batch, seq=seq, weight_bytes=w)
     total = parameters + gradients + optimizer + activations + logits
     virtual = 2 if work.interleaved else 1
@@ -199,14 +204,12 @@ def _layout_memory(
 
 def _runs_here(tensor: int, context: int, pipeline: int, expert: int) -> tuple[bool, str]:
     """Whether lmforge's training step runs this layout (distributed/layout.py refuses the rest)."""
-    missing = [
-        name
-        for name, degree in (("context", context), ("pipeline", pipeline), ("expert", expert))
-        if degree > 1
-    ]
+    missing = [name for name, degree in (("context", context), ("expert", expert)) if degree > 1]
     if missing:
         return False, f"{' and '.join(missing)} parallelism not in the training step yet"
-    return True, "fsdp x tp" if tensor > 1 else "fsdp"
+    if pipeline > 1 and tensor > 1:
+        return False, "pipeline stages compose with data sharding only"
+    return True, "fsdp x tp" if tensor > 1 else "fsdp x pp" if pipeline > 1 else "fsdp"
 
 
 def _recommend(rows: list[LayoutMemory], budget: float | None) -> LayoutPlan:

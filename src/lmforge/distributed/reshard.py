@@ -270,16 +270,58 @@ def load_dcp_model(model: torch.nn.Module, checkpoint: Path) -> None:
     set_model_state_dict(model, state["model"])
 
 
-def load_dcp_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
-    """The FSDP2 checkpoint's optimizer state (moments, step counts, group settings) into the plain
-    `optimizer` of `model`. DCP keys each state by parameter name, not position, so it lands on the
-    same parameter whatever order this optimizer holds them in."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+def load_dcp_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path, *, collective: bool = False
+) -> None:
+    """The FSDP2 checkpoint's optimizer state (moments, step counts, group settings) into the
+    `optimizer` of `model`: the plain one of a single process or DDP replica, or (`collective`,
+    every rank calls it) this rank's shard. DCP keys each state by parameter name, not position,
+    so it lands on the same parameter whatever order this optimizer holds them in; a flattened
+    checkpoint (`save_flat_dcp_optimizer`) keys the group settings by parameter name too."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
+    directory = checkpoint / DCP_OPTIMIZER_DIR
+    options = StateDictOptions(flatten_optimizer_state_dict=dcp_optimizer_is_flat(directory))
     inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
-    state = {"optimizer": get_optimizer_state_dict(model, inner)}  # creates the empty moments to fill
-    _load_in_this_process(state, checkpoint / DCP_OPTIMIZER_DIR)
-    set_optimizer_state_dict(model, inner, state["optimizer"])
+    # The template creates the empty moments to fill.
+    state = {"optimizer": get_optimizer_state_dict(model, inner, options=options)}
+    if collective:
+        dcp.load(state, checkpoint_id=str(directory))
+    else:
+        _load_in_this_process(state, directory)
+    set_optimizer_state_dict(model, inner, state["optimizer"], options=options)
+
+
+def save_flat_dcp_optimizer(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path
+) -> None:
+    """The optimizer as a torch DCP checkpoint where the group settings (lr, betas, ...) are keyed
+    by parameter name like the moments. accelerate's format keeps one list of groups, which DCP
+    takes from a single rank: right when every rank holds a shard of every parameter (FSDP2), but
+    ranks that hold different parameters (pipeline stages) would each lose theirs (measured: a
+    resume failed with KeyError 'betas'). A collective: every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    state = {"optimizer": get_optimizer_state_dict(model, inner, options=options)}
+    dcp.save(state, checkpoint_id=str(checkpoint / DCP_OPTIMIZER_DIR))
+
+
+def dcp_optimizer_is_flat(directory: Path) -> bool:
+    """Whether a DCP optimizer checkpoint keys its group settings by parameter name (flattened)
+    rather than by group position ("optimizer.param_groups.0.lr")."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    prefix = "optimizer.param_groups."
+    return any(key.startswith(prefix) and not key[len(prefix) :].split(".")[0].isdigit() for key in keys)
 
 
 def _load_in_this_process(state: dict[str, Any], directory: Path) -> None:
@@ -374,10 +416,14 @@ class ReshardResume:
             # HF calls this right after DeepSpeed loaded the checkpoint into its engine.
             separate_step_counters(trainer.model_wrapped.optimizer)
         plain = not (trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled)
-        if checkpoint is None or not plain or not is_dcp_checkpoint(Path(checkpoint)):
+        dcp = checkpoint is not None and is_dcp_checkpoint(Path(checkpoint))
+        # accelerate's FSDP2 load reads group settings by position: a flattened checkpoint (pipeline
+        # stages wrote it) loads here, under FSDP2 too.
+        flat = dcp and trainer.is_fsdp_enabled and dcp_optimizer_is_flat(Path(checkpoint) / DCP_OPTIMIZER_DIR)  # type: ignore[arg-type]
+        if checkpoint is None or not dcp or not (plain or flat):
             super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
             return
-        load_dcp_optimizer(trainer.model, trainer.optimizer, Path(checkpoint))
+        load_dcp_optimizer(trainer.model, trainer.optimizer, Path(checkpoint), collective=flat)
         # Rank 0 saved the schedule as a plain torch file, as under every engine.
         trainer.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / "scheduler.pt", weights_only=True))
 

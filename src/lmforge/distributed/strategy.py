@@ -88,8 +88,8 @@ class Plan:
         return describe_optimizer_and_schedule(self.deepspeed or {}, train)
 
     def describe_engine(self) -> str:
-        if self.layout.tensor > 1:
-            return self._describe_tensor_parallel()
+        if self.layout.on_lmforge_mesh:
+            return self._describe_mesh()
         if self.engine == "deepspeed":
             offload = f", offload {self.settings.offload}" if self.settings.offload != "none" else ""
             return f"deepspeed ZeRO-{self.summary()['zero_stage']}{offload}"
@@ -97,11 +97,13 @@ class Plan:
             return "fsdp (FSDP2 full shard, CPU offload)"
         return {"none": "single process", "ddp": "ddp", "fsdp": "fsdp (FSDP2 full shard)"}[self.engine]
 
-    def _describe_tensor_parallel(self) -> str:
-        """'fsdp x tp (2-D mesh data_shard=2 x tensor=2)'; tensor parallel alone runs on the same
-        mesh with one data shard (distributed/tensor_parallel.py)."""
+    def _describe_mesh(self) -> str:
+        """'fsdp x tp (2-D mesh data_shard=2 x tensor=2)', 'pp (2-D mesh pipeline=2 x data_shard=1)';
+        tensor or pipeline parallel alone runs on the same mesh with one data shard
+        (distributed/tensor_parallel.py, pipeline_parallel.py)."""
         offload = ", CPU offload" if self.settings.offload != "none" else ""
-        kind = "fsdp x tp" if self.layout.data > 1 else "tp"
+        model = "tp" if self.layout.tensor > 1 else "pp"
+        kind = f"fsdp x {model}" if self.layout.data > 1 else model
         return f"{kind} (2-D mesh {self.layout.describe()}{offload})"
 
     def describe(self) -> str:
@@ -118,6 +120,8 @@ def plan_for(cfg: LmforgeConfig, *, precision: str, on_gpu: bool, world: World |
     layout = _layout(cfg, settings, world, on_gpu=on_gpu)
     if layout.tensor > 1:
         _check_tensor_parallel(cfg, settings, engine)
+    if layout.pipeline > 1:
+        _check_pipeline_parallel(cfg, settings, engine)
     if engine == "none" and world.size > 1:
         raise UserInputError(
             f"distributed.strategy is none but {world.size} workers were launched; "
@@ -190,6 +194,50 @@ def _check_tensor_parallel(cfg: LmforgeConfig, settings: DistributedConfig, engi
         raise UserInputError("distributed.tensor_parallel cannot run this:\n  - " + "\n  - ".join(problems))
 
 
+def _check_pipeline_parallel(cfg: LmforgeConfig, settings: DistributedConfig, engine: str) -> None:
+    """What the pipeline engine (distributed/pipeline_parallel.py) cannot run, all reasons at once.
+    Adapters are refused with strategy fsdp by config/cross_checks.py."""
+    stages, train = settings.pipeline_parallel, cfg.train
+    chunks = settings.pipeline_microbatches or stages
+    problems = []
+    if engine != "fsdp":
+        problems.append(
+            f"distributed.strategy: {settings.strategy} with pipeline_parallel: {stages}: pipeline stages run on "
+            "FSDP2's (pipeline x data_shard) device mesh; set distributed.strategy: fsdp (with pipeline_parallel "
+            "equal to the number of processes FSDP2 shards nothing and the run is pipeline parallel alone)"
+        )
+    if train.stage not in ("pretrain", "sft"):
+        problems.append(
+            f"train.stage: {train.stage} with pipeline_parallel: {stages}: the pipeline step computes the "
+            "causal language-model loss only (pretrain, sft); set distributed.pipeline_parallel: 1"
+        )
+    unsupported = {
+        "train.precision: fp16": train.precision == "fp16",  # the loss scaler steps outside the schedule
+        "train.compile: true": train.compile,
+        "train.kernels: liger": train.kernels == "liger",
+        "train.chunked_cross_entropy: true": train.chunked_cross_entropy,
+        "train.activation_offload: true": train.activation_offload,
+    }
+    for setting, on in unsupported.items():
+        if on:
+            problems.append(
+                f"{setting} with pipeline_parallel: {stages}: the pipeline schedule runs each stage's plain forward "
+                "and the last stage's own cross-entropy; turn it off, or set distributed.pipeline_parallel: 1"
+            )
+    if train.micro_batch_size < chunks:
+        problems.append(
+            f"train.micro_batch_size {train.micro_batch_size} is smaller than the {chunks} pipeline micro-batches "
+            "it is cut into; raise train.micro_batch_size or lower distributed.pipeline_microbatches"
+        )
+    if settings.pipeline_schedule == "1f1b" and chunks < stages:
+        problems.append(
+            f"distributed.pipeline_microbatches {chunks} < {stages} stages: 1f1b needs one micro-batch per stage; "
+            f"raise it to {stages} or use pipeline_schedule: gpipe"
+        )
+    if problems:
+        raise UserInputError("distributed.pipeline_parallel cannot run this:\n  - " + "\n  - ".join(problems))
+
+
 def _has_sequence_parallel_plan(hf_config: Any) -> bool:
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     return "sequence_parallel" in (getattr(text, "base_model_tp_plan", None) or {}).values()
@@ -215,9 +263,9 @@ def _chosen_settings(cfg: LmforgeConfig, world: World, *, on_gpu: bool) -> tuple
     settings = cfg.distributed
     if settings.strategy != "auto" or settings.deepspeed_config is not None:
         return settings, "as configured"
-    if settings.tensor_parallel > 1:
+    if settings.tensor_parallel > 1 or settings.pipeline_parallel > 1:
         return settings.model_copy(update={"strategy": "fsdp"}), (
-            "auto: tensor parallelism runs on FSDP2's (data_shard x tensor) mesh"
+            "auto: tensor and pipeline parallelism run on FSDP2's device mesh"
         )
     if world.size == 1:
         return settings.model_copy(update={"strategy": "none"}), "auto: one process"
@@ -300,8 +348,8 @@ def engine_arguments(plan: Plan, model: Any, *, gradient_checkpointing: bool) ->
     if plan.engine == "fsdp":
         from lmforge.distributed.fsdp import fsdp_training_arguments
 
-        if plan.layout.tensor > 1:
-            # lmforge wraps a tensor-parallel model on its own mesh (tensor_parallel.py), where
+        if plan.layout.on_lmforge_mesh:
+            # lmforge wraps a tensor- or pipeline-parallel model on its own mesh, where
             # accelerate's activation checkpointing finds no wrap policy: the Trainer's own switch
             # (the model's gradient checkpointing) recomputes the layers instead.
             return fsdp_training_arguments(model, offload=plan.settings.offload != "none", wrap_layers=False)

@@ -11,6 +11,7 @@ from transformers.trainer_callback import PrinterCallback
 from lmforge.ckpt.atomic import CheckpointStatus
 from lmforge.config import LmforgeConfig
 from lmforge.data.run_data import RunData
+from lmforge.distributed.pipeline_parallel import whole_parameter_count
 from lmforge.distributed.strategy import Plan, engine_arguments
 from lmforge.errors import UserInputError
 from lmforge.models.build import DTYPES
@@ -127,7 +128,7 @@ def assemble_trainer(
         _FinalStepCallback(has_eval),
         # After it: the expert load is taken at each step that logs, the last one included.
         *([experts] if experts is not None else []),
-        ShardReport(sum(p.numel() for p in model.parameters()), plan.engine),
+        ShardReport(whole_parameter_count(model), plan.engine),
         EngineStartup(
             plan.describe_engine(),
             # Only DeepSpeed builds ops at start; the other engines start in seconds.

@@ -23,6 +23,7 @@ from lmforge.ckpt.export import ExportOutcome, run_export
 from lmforge.ckpt.safe_load import no_code_from_checkpoints
 from lmforge.config import LmforgeConfig, dump_config
 from lmforge.config.schema import MonitorConfig
+from lmforge.distributed.pipeline_parallel import split_into_stages, whole_parameter_count
 from lmforge.distributed.strategy import Plan, plan_for
 from lmforge.distributed.tensor_parallel import shard_tensor_parallel
 from lmforge.errors import TrainingStopped, WorkFailed, explain_write_failure
@@ -141,8 +142,16 @@ def _train_run(
     )
     parameters = count_parameters(model)
     log.info("model: %s, %.2fM parameters", model.config.model_type, parameters / 1e6)
-    # Before anything reads the parameters: each rank keeps its slice (a no-op without tensor_parallel).
+    # Before anything reads the parameters: each rank keeps its slice or its pipeline stage (no-ops
+    # without tensor_parallel / pipeline_parallel).
     shard_tensor_parallel(model, plan.layout, on_gpu=torch.cuda.is_available())
+    split_into_stages(
+        model,
+        plan.layout,
+        on_gpu=torch.cuda.is_available(),
+        schedule=plan.settings.pipeline_schedule,
+        microbatches=plan.settings.pipeline_microbatches or plan.layout.pipeline,
+    )
     # The reference is the starting model, frozen: copied before any weight trains.
     reference = copy.deepcopy(model).eval() if needs_reference_model(cfg) else None
     if cfg.train.stage in RL_STAGES:
@@ -295,7 +304,7 @@ def _train_and_export(
     if guard.signal_stop is not None:
         return None
     finished = {"step": step, "target": {"max_steps": cfg.train.max_steps, "epochs": cfg.train.epochs}}
-    finished["parameters"] = count_parameters(trainer.accelerator.unwrap_model(trainer.model))
+    finished["parameters"] = whole_parameter_count(trainer.accelerator.unwrap_model(trainer.model))
     save_final(trainer, tokenizer, paths, merge_lora=cfg.export.merge_lora, finished=finished)
     if trainer.is_world_process_zero():
         clear_partial_writes(paths)  # a finished run keeps no empty checkpoints/.staging

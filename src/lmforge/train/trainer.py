@@ -14,6 +14,7 @@ from transformers import Trainer
 
 from lmforge.config.schema import TrainConfig
 from lmforge.distributed.fsdp import CpuFsdp
+from lmforge.distributed.pipeline_parallel import PipelineStages
 from lmforge.distributed.reshard import ReshardResume
 from lmforge.errors import UserInputError
 from lmforge.train.batches import batch_size, split_batch
@@ -166,14 +167,17 @@ class StepHooks:
         return total
 
 
-class LmforgeTrainer(CpuFsdp, ReshardResume, StepHooks, Trainer):  # type: ignore[misc]
-    """HF Trainer with lmforge's step (pretrain and sft), real FSDP2 on CPU too, and resumes of
-    checkpoints another world size wrote."""
+class LmforgeTrainer(CpuFsdp, ReshardResume, StepHooks, PipelineStages, Trainer):  # type: ignore[misc]
+    """HF Trainer with lmforge's step (pretrain and sft), real FSDP2 on CPU too, pipeline stages,
+    and resumes of checkpoints another world size wrote. PipelineStages sits under StepHooks:
+    lmforge's step (token counts, drills, the OOM back-off) wraps the pipeline schedule."""
 
 
 def with_lmforge_step(trainer_class: type[Trainer]) -> type[Trainer]:
-    """`trainer_class` (a TRL trainer) with CpuFsdp, ReshardResume and StepHooks mixed in."""
-    return type(f"Lmforge{trainer_class.__name__}", (CpuFsdp, ReshardResume, StepHooks, trainer_class), {})
+    """`trainer_class` (a TRL trainer) with CpuFsdp, ReshardResume, StepHooks and PipelineStages
+    mixed in (TRL's SFTTrainer can run pipeline stages; the other stages are refused at load)."""
+    mixins = (CpuFsdp, ReshardResume, StepHooks, PipelineStages)
+    return type(f"Lmforge{trainer_class.__name__}", (*mixins, trainer_class), {})
 
 
 def tied_aliases(model: torch.nn.Module) -> set[str]:

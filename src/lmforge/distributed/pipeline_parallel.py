@@ -1,0 +1,424 @@
+"""Pipeline parallelism through the HF Trainer: torch.distributed.pipelining runs the schedule.
+
+The engine is torch's `PipelineStage` with its `ScheduleGPipe` / `Schedule1F1B`: it splits each
+micro-batch into pipeline micro-batches, sends activations forward and their gradients back
+between neighbouring stages, and interleaves forwards and backwards. No schedule, send or
+receive lives here; this module decides which layers a stage owns and hands the engine a stage
+and a loss.
+
+How a stage is cut (the split transformers' own `pp_plan` describes: embed_tokens -> layers ->
+norm, then the head): every rank builds the whole model, then the modules another stage owns are
+replaced by a pass-through, so each rank keeps only its own weights and every parameter keeps
+its full name (`model.layers.3.mlp...` on whichever rank owns layer 3). That keeps the rest of
+the HF machinery unchanged: the optimizer sees this stage's parameters, torch DCP checkpoints
+merge the stages' distinct keys into one checkpoint (and reshard it onto another pipeline degree
+on load), and the final model is one safetensors shard per stage under one index. A stage runs
+the HF model's own forward (`_StageForward`): the first stage from input_ids, the others from
+the hidden states they receive (as `inputs_embeds`); only the last stage's head produces logits.
+
+Around the engine, the Trainer path is the one tensor parallelism takes
+(distributed/tensor_parallel.py): a (dp_shard, stage) mesh with FSDP2 over the data dimension
+(one rank per stage shards nothing; it carries the DCP checkpoints), and the stage dimension is
+given to accelerate under the name `tp`, which to accelerate and the HF Trainer means "these
+ranks read one batch": each stage sees the same batch (the first needs its inputs, the last its
+labels) and the token count is counted once per pipeline. What the Trainer cannot know is
+handled in `PipelineStages`: the training step runs the schedule, the gradient norm is taken over
+all stages (clipping by one stage's norm would clip each stage differently), a tied embedding
+(first stage) and output head (last stage) add their gradients, and evaluation runs the
+schedule forward only.
+
+Loss: the last stage sums token cross-entropies and divides by the step's token count (the HF
+Trainer's own normalisation), with gradient scaling off, so the sum over pipeline micro-batches
+is exactly the loss and gradient of the whole micro-batch (measured: loss equal, gradients within
+3e-8 of one process on a 4-layer Llama).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lmforge.distributed.layout import Layout
+from lmforge.distributed.ranks import ensure_process_group
+from lmforge.distributed.reshard import save_flat_dcp_optimizer
+from lmforge.distributed.tensor_parallel import DATA_DIM, MESH_ATTRIBUTE, TENSOR_DIM
+from lmforge.models.build import count_parameters
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "PIPELINE_ATTRIBUTE",
+    "Pipeline",
+    "PipelineStages",
+    "pipeline_of",
+    "save_pipeline_model",
+    "split_into_stages",
+    "whole_parameter_count",
+]
+
+PIPELINE_ATTRIBUTE = "lmforge_pipeline"
+IGNORE_INDEX = -100
+_CACHED_SCHEDULES = 8  # one per batch shape seen (dynamic padding); the oldest go first
+
+
+class _PassThrough(nn.Module):
+    """Stands in for a module another stage owns: returns its first input unchanged."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+class _StageForward(nn.Module):
+    """The module torch's PipelineStage runs: the HF model's own forward on this stage's part.
+
+    Calling the whole model (not its submodules) keeps FSDP2's root hooks and the model's mask
+    and rotary-position code; the pass-throughs make it this stage's slice. On every stage but
+    the last, the "logits" are the hidden states, since norm and head are pass-throughs there."""
+
+    def __init__(self, model: nn.Module, *, first: bool) -> None:
+        super().__init__()
+        self.model, self.first = model, first
+
+    def forward(self, hidden: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        inputs = {"input_ids": hidden} if self.first else {"inputs_embeds": hidden}
+        return self.model(**inputs, **kwargs, use_cache=False).logits
+
+
+@dataclass
+class Pipeline:
+    """One rank's place in the pipeline and the schedules it has built."""
+
+    stage: int
+    stages: int
+    schedule: str  # gpipe | 1f1b
+    microbatches: int
+    group: Any  # the process group of this rank's pipeline (its mesh row)
+    device: torch.device
+    tied_name: str | None = None  # a tied embedding's name on the first and last stage
+    tied_group: Any = None  # first and last stage of this pipeline, to add the tied gradients
+    whole_parameters: int = 0  # the whole model's, before the cut
+    normalizer: float = 1.0  # the current step's loss divisor (token count / data-rank scale)
+    _schedules: OrderedDict[tuple[Any, ...], Any] = field(default_factory=OrderedDict)
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed next-token cross-entropy over one pipeline micro-batch, over the step's count."""
+        shifted = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        summed = nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), shifted.flatten().to(logits.device), ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )  # fmt: skip
+        return summed / self.normalizer
+
+    def schedule_for(self, model: nn.Module, shape: tuple[int, ...], *, training: bool) -> Any:
+        """The schedule for batches of `shape` (each stage's receive buffers are sized by it)."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        chunks = min(self.microbatches, shape[0])
+        # 1F1B needs at least one micro-batch per stage; a short last batch runs GPipe (same sums).
+        kind = Schedule1F1B if self.schedule == "1f1b" and chunks >= self.stages else ScheduleGPipe
+        key = (shape, training)
+        if key not in self._schedules:
+            stage = PipelineStage(
+                _StageForward(model, first=self.first), self.stage, self.stages, self.device, group=self.group
+            )
+            self._schedules[key] = kind(stage, n_microbatches=chunks, loss_fn=self.loss, scale_grads=False)
+            while len(self._schedules) > _CACHED_SCHEDULES:
+                self._schedules.popitem(last=False)
+        self._schedules.move_to_end(key)
+        return self._schedules[key]
+
+    def run(self, model: nn.Module, inputs: dict[str, Any], *, training: bool) -> torch.Tensor:
+        """One batch through the schedule (forward and backward, or forward only); every stage
+        returns the batch's loss, which only the last stage computes."""
+        ids, labels = inputs["input_ids"], inputs["labels"]
+        extra = {
+            key: inputs[key] for key in ("attention_mask", "position_ids") if inputs.get(key) is not None
+        }
+        unknown = sorted(set(inputs) - {"input_ids", "labels", "attention_mask", "position_ids"})
+        if unknown:
+            raise RuntimeError(f"pipeline_parallel: batch keys {unknown} have no path through the stages")
+        schedule = self.schedule_for(model, tuple(ids.shape), training=training)
+        losses: list[torch.Tensor] = []
+        run = schedule.step if training else schedule.eval
+        args = (ids,) if self.first else ()
+        if self.last:
+            run(*args, target=labels, losses=losses, **extra)
+        else:
+            run(*args, **extra)
+        loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
+        dist.broadcast(loss, group_src=self.stages - 1, group=self.group)
+        return loss
+
+    def add_tied_gradients(self, model: nn.Module) -> None:
+        """The tied embedding is a copy on the first stage (input side) and the last (head): add
+        the two gradients, so both copies take the same update and stay one weight."""
+        if self.tied_group is None or not (self.first or self.last):
+            return
+        grad = model.get_parameter(self.tied_name).grad  # type: ignore[arg-type]
+        if grad is not None:
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            dist.all_reduce(local, group=self.tied_group)
+
+    def grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """The gradient norm over every stage (a tied weight counted once), clipped by it."""
+        from torch.distributed.tensor import DTensor
+        from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+        parameters = [p for p in model.parameters() if p.grad is not None]
+        counted = parameters
+        if self.tied_name is not None and self.last:  # the first stage counts the tied weight
+            tied = model.get_parameter(self.tied_name)
+            counted = [p for p in parameters if p is not tied]
+        norm = (
+            get_total_norm([p.grad for p in counted if p.grad is not None])
+            if counted
+            else torch.zeros((), device=self.device)
+        )
+        local = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squared = local.float().pow(2)
+        dist.all_reduce(squared, group=self.group)
+        total = squared.sqrt()
+        if max_norm != float("inf"):
+            clip_grads_with_norm_(parameters, max_norm, total)
+        return total
+
+
+def split_into_stages(
+    model: PreTrainedModel, layout: Layout, *, on_gpu: bool, schedule: str, microbatches: int
+) -> None:
+    """Keep this rank's stage of `model` (a no-op unless `layout.pipeline > 1`): the decoder layers
+    of its stage, the embedding on the first stage, the final norm and head on the last.
+
+    Each rank must have built the same full model beforehand (same seed or files)."""
+    if layout.pipeline == 1:
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ensure_process_group()
+    # Stages innermost, under accelerate's name for "ranks that read one batch" (module docstring).
+    mesh = init_device_mesh(
+        "cuda" if on_gpu else "cpu", (layout.data, layout.pipeline), mesh_dim_names=(DATA_DIM, TENSOR_DIM)
+    )
+    stages_mesh = mesh[TENSOR_DIM]
+    stage, stages = stages_mesh.get_local_rank(), stages_mesh.size()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        model.to(device)  # type: ignore[arg-type]  # transformers' .to stub
+    whole = count_parameters(model)
+    tied_name = _cut_stage(model, stage, stages)
+    # FSDP2 warns that the root returned a view: on a stage without the head, the model's "logits"
+    # are a slice of its hidden states. The schedule only sends them on, never edits them in place.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    pipeline = Pipeline(
+        stage=stage,
+        stages=stages,
+        schedule=schedule,
+        microbatches=microbatches,
+        group=stages_mesh.get_group(),
+        device=device,
+        tied_name=tied_name,
+        tied_group=_tied_groups(mesh) if tied_name else None,
+        whole_parameters=whole,
+    )
+    setattr(model, MESH_ATTRIBUTE, mesh)
+    setattr(model, PIPELINE_ATTRIBUTE, pipeline)
+    owned = sum(p.numel() for p in model.parameters())
+    log.info("pipeline parallel: stage %d of %d holds %s parameter elements", stage + 1, stages, f"{owned:,}")
+
+
+def _cut_stage(model: PreTrainedModel, stage: int, stages: int) -> str | None:
+    """Replace what other stages own by pass-throughs; the tied embedding's name, if any."""
+    base: Any = getattr(model, model.base_model_prefix)
+    layers = base.layers
+    per_stage = len(layers) // stages
+    owned = range(stage * per_stage, (stage + 1) * per_stage)
+    for index in range(len(layers)):
+        if index not in owned:
+            layers[index] = _PassThrough()
+    first, last = stage == 0, stage == stages - 1
+    tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
+    embedding_name = _module_name(model, model.get_input_embeddings()) + ".weight"
+    if not first and not (tied and last):  # the last stage keeps a tied embedding: it is the head
+        base.embed_tokens = _PassThrough()
+    if not last:
+        base.norm = _PassThrough()
+        model.lm_head = _PassThrough()
+        # transformers re-ties lm_head to the embedding on load; only the last stage has a head.
+        model.all_tied_weights_keys = {}
+    return embedding_name if tied else None
+
+
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, candidate in model.named_modules() if candidate is module)
+
+
+def _tied_groups(mesh: Any) -> Any:
+    """The (first stage, last stage) group of each pipeline; every rank creates every group
+    (a collective), and keeps its own pipeline's."""
+    rows = mesh.mesh.tolist()
+    mine = None
+    for row in rows:
+        group = dist.new_group([row[0], row[-1]])
+        if dist.get_rank() in (row[0], row[-1]):
+            mine = group
+    return mine
+
+
+def pipeline_of(model: Any) -> Pipeline | None:
+    return getattr(model, PIPELINE_ATTRIBUTE, None)
+
+
+def whole_parameter_count(model: nn.Module) -> int:
+    """The model's distinct parameters (tied weights once), all stages of a pipeline included."""
+    pipeline = pipeline_of(model)
+    if pipeline is not None:
+        return pipeline.whole_parameters
+    return count_parameters(model)
+
+
+class PipelineStages:
+    """Trainer mixin: the training step, evaluation and gradient norm of a pipeline-parallel
+    model; everything else is the Trainer's FSDP2 path. Sits right before `Trainer` in the MRO,
+    so lmforge's own step hooks (token counts, drills) wrap it."""
+
+    def training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
+    ) -> torch.Tensor:
+        trainer: Any = self
+        pipeline = pipeline_of(trainer.model)
+        if pipeline is None:
+            return super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
+        model.train()
+        inputs = trainer._prepare_inputs(inputs)
+        pipeline.normalizer = _step_normalizer(trainer, inputs, num_items_in_batch)
+        loss = pipeline.run(model, inputs, training=True)
+        if trainer.accelerator.sync_gradients:  # the step's last micro-batch: gradients are whole
+            pipeline.add_tied_gradients(trainer.model)
+        return loss
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> Any:
+        trainer: Any = self
+        pipeline = pipeline_of(trainer.model)
+        if pipeline is None:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)  # type: ignore[misc]
+        inputs = trainer._prepare_inputs(inputs)
+        pipeline.normalizer = float(_label_tokens(inputs["labels"]))  # this batch's mean, as HF's eval
+        with torch.no_grad():
+            loss = pipeline.run(model, inputs, training=False)
+        return loss, None, None
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        trainer: Any = self
+        if pipeline_of(trainer.model) is None:
+            super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
+            return
+        from accelerate.utils import save_fsdp_model
+
+        # The model's DCP shards as the Trainer writes them (the stages' keys are distinct); the
+        # optimizer with its group settings keyed by parameter name (save_flat_dcp_optimizer).
+        save_fsdp_model(trainer.accelerator.state.fsdp_plugin, trainer.accelerator, trainer.model, output_dir)
+        save_flat_dcp_optimizer(trainer.model, trainer.optimizer, Path(output_dir))
+        if trainer.args.should_save:
+            torch.save(trainer.lr_scheduler.state_dict(), Path(output_dir) / "scheduler.pt")
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        trainer: Any = self
+        pipeline = pipeline_of(trainer.model)
+        if pipeline is None:
+            return super()._clip_grad_norm(model)  # type: ignore[misc]
+        return pipeline.grad_norm(model, trainer.args.max_grad_norm)
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        pipeline = pipeline_of(getattr(self, "model", None))
+        if pipeline is not None and grad_norm is None:
+            grad_norm = pipeline.grad_norm(model, float("inf"))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)  # type: ignore[misc]
+
+
+def _saved(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A gathered weight as final/ stores it: in the configured dtype, on the CPU, contiguous."""
+    if dtype is not None and value.is_floating_point():
+        value = value.to(dtype)
+    return value.detach().cpu().contiguous()
+
+
+def _label_tokens(labels: torch.Tensor) -> int:
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def _step_normalizer(trainer: Any, inputs: dict[str, Any], num_items_in_batch: Any) -> float:
+    """What HF's loss divides by: the step's token count over all data ranks (then times the
+    data degree, since the data ranks' gradients are averaged), or, without a count, this
+    micro-batch's tokens times the accumulation steps."""
+    if num_items_in_batch is None:
+        return float(_label_tokens(inputs["labels"]) * trainer.current_gradient_accumulation_steps)
+    count = float(num_items_in_batch)
+    if trainer.args.average_tokens_across_devices:
+        count /= trainer.accelerator.num_processes // trainer.get_tp_size()
+    return count
+
+
+def save_pipeline_model(trainer: Any, output_dir: str, dtype: torch.dtype | None) -> None:
+    """final/ as one safetensors shard per stage under one index, as `save_pretrained` shards a
+    large model: each stage writes its own weights (no gather of the whole model on one rank),
+    rank 0 the index, config and generation config. A collective: every rank calls it."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    model = trainer.model
+    pipeline = pipeline_of(model)
+    assert pipeline is not None
+    # Gathered over the data ranks (FSDP2), this stage's weights only.
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if pipeline.tied_name is not None and not pipeline.first:
+        state.pop(pipeline.tied_name, None)  # written once, by the first stage
+    head = model.get_output_embeddings()
+    if pipeline.tied_name is not None and head is not None and not isinstance(head, _PassThrough):
+        state.pop(_module_name(model, head) + ".weight", None)  # from_pretrained ties it back
+    tensors = {key: _saved(value, dtype) for key, value in state.items() if isinstance(value, torch.Tensor)}
+    name = f"model-{pipeline.stage + 1:05d}-of-{pipeline.stages:05d}.safetensors"
+    out = Path(output_dir)
+    if dist.get_rank() < pipeline.stages:  # the stages of data rank 0 (stages are the inner mesh dimension)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+    sizes = {key: t.numel() * t.element_size() for key, t in tensors.items()}
+    shards: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, (name, sizes))  # after every stage wrote its file
+    if dist.get_rank() != 0:
+        return
+    weight_map = {key: shard for shard, sized in shards for key in sized}
+    total = sum(size for _, sized in shards[: pipeline.stages] for size in sized.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    config = model.config
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(str(out))
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(str(out))
