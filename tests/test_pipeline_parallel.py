@@ -29,12 +29,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from lmforge.config.schema import LmforgeConfig
-from lmforge.distributed.ranks import World
-from lmforge.distributed.strategy import plan_for
 from lmforge.errors import UserInputError
 from tests.conftest import run_cli
-from tests.test_tensor_parallel import LOSS_RTOL, curve, launch, lmforge_config, write
+from tests.test_tensor_parallel import LOSS_RTOL, config_with, curve, launch, lmforge_config, plan_of, write
 
 ARCH = {
     "hidden_size": 64,
@@ -174,16 +171,8 @@ def test_other_pipeline_layouts_match_one_process(
 
 
 def _plan(processes: int, **sections: dict[str, Any]) -> Any:
-    base: dict[str, Any] = {
-        "model": {"preset": "llama-tiny", "config": ARCH},
-        "tokenizer": {"path": "tokenizer"},
-        "data": {"train": [{"path": "rows.jsonl"}]},
-        "distributed": {"strategy": "fsdp", "pipeline_parallel": 2},
-    }
-    for name, values in sections.items():
-        base[name] = {**base.get(name, {}), **values}
-    cfg = LmforgeConfig.model_validate(base)
-    return plan_for(cfg, precision="fp32", on_gpu=False, world=World(processes, processes, 0))
+    model = {"preset": "llama-tiny", "config": ARCH}
+    return plan_of(config_with(model, {"strategy": "fsdp", "pipeline_parallel": 2}, **sections), processes)
 
 
 def test_what_the_pipeline_cannot_run_is_refused_with_every_reason() -> None:

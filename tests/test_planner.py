@@ -103,7 +103,9 @@ def test_only_degrees_the_model_allows_are_listed() -> None:
 
 def test_tensor_parallel_divides_weights_and_activations_and_pipelines_pay_a_bubble() -> None:
     cfg = _config(LLAMA_7B, gradient_checkpointing=False)
-    cfg = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(update={"pipeline_microbatches": 8})})
+    cfg = cfg.model_copy(
+        update={"distributed": cfg.distributed.model_copy(update={"pipeline_microbatches": 8})}
+    )
     plan = _layouts(cfg, gpus=8, mem=None)
     one, two = _row(plan, tensor=1, context=1, pipeline=1), _row(plan, tensor=2, context=1, pipeline=1)
     assert two["activations"] == pytest.approx(one["activations"] / 2, rel=1e-6)
@@ -151,7 +153,9 @@ def test_expert_parallel_degrees_divide_the_experts_of_an_moe_model() -> None:
     assert {r["expert"] for r in plan["layouts"]} == {1, 2, 4}
     one, four = _row(plan, data=8, tensor=1, expert=1), _row(plan, data=8, tensor=1, expert=4)
     assert four["parameters"] < one["parameters"]  # the experts are split four ways
-    assert not four["runnable"] and "expert" in four["note"]
+    assert four["runnable"] and four["note"] == "fsdp x ep"  # experts over the data ranks
+    both = _row(plan, data=4, tensor=2, expert=2)
+    assert not both["runnable"] and "expert parallelism composes with data sharding only" in both["note"]
 
 
 def test_an_architecture_transformers_refuses_is_a_config_error_not_a_traceback(tmp_path: Path) -> None:

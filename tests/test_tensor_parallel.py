@@ -192,31 +192,42 @@ def test_the_final_model_is_saved_whole_and_loads(runs: Path, run: str) -> None:
 # -- refusals and the plan: no processes --------------------------------------------------------
 
 
-def _config(**sections: dict[str, Any]) -> LmforgeConfig:
+def config_with(
+    model: dict[str, Any], distributed: dict[str, Any], /, **sections: dict[str, Any]
+) -> LmforgeConfig:
+    """A config for planning only (no files are read): `model` and `distributed`, each section
+    updated by `sections`."""
     base: dict[str, Any] = {
-        "run": {"name": "tp"},
-        "model": {"preset": "llama-tiny", "config": TP_ARCH},
+        "run": {"name": "plan"},
+        "model": model,
         "tokenizer": {"path": "tokenizer"},
         "data": {"train": [{"path": "rows.jsonl"}]},
-        "distributed": {"strategy": "fsdp", "tensor_parallel": 2},
+        "distributed": distributed,
     }
     for name, values in sections.items():
         base[name] = {**base.get(name, {}), **values}
     return LmforgeConfig.model_validate(base)
 
 
-def _plan(cfg: LmforgeConfig, processes: int) -> Any:
+def _config(**sections: dict[str, Any]) -> LmforgeConfig:
+    return config_with(
+        {"preset": "llama-tiny", "config": TP_ARCH}, {"strategy": "fsdp", "tensor_parallel": 2}, **sections
+    )
+
+
+def plan_of(cfg: LmforgeConfig, processes: int) -> Any:
+    """The engine plan of `cfg` on `processes` CPU processes of one node."""
     return plan_for(cfg, precision="fp32", on_gpu=False, world=World(processes, processes, 0))
 
 
 def test_the_plan_names_the_mesh_and_records_the_degrees() -> None:
-    plan = _plan(_config(), 4)
+    plan = plan_of(_config(), 4)
     assert plan.engine == "fsdp"
     assert plan.describe_engine() == "fsdp x tp (2-D mesh data_shard=2 x tensor=2)"
     summary = plan.summary()  # manifest.json and every checkpoint's writer record
     assert summary["tensor_parallel"] == 2
     assert (summary["layout"]["data"], summary["layout"]["tensor"]) == (2, 2)
-    alone = _plan(_config(distributed={"strategy": "auto"}), 2)
+    alone = plan_of(_config(distributed={"strategy": "auto"}), 2)
     assert alone.engine == "fsdp" and alone.describe_engine() == "tp (2-D mesh data_shard=1 x tensor=2)"
     # lmforge wraps the model on its mesh: accelerate must not look layer classes up, nor checkpoint
     # activations itself (it finds no wrap policy); the Trainer's own switch stays as configured.
@@ -228,7 +239,7 @@ def test_the_plan_names_the_mesh_and_records_the_degrees() -> None:
 
 def test_what_tensor_parallelism_cannot_run_is_refused_with_every_reason() -> None:
     with pytest.raises(UserInputError) as refused:
-        _plan(_config(distributed={"strategy": "ddp"}, train={"stage": "grpo", "rl": {"beta": 0.1}}), 4)
+        plan_of(_config(distributed={"strategy": "ddp"}, train={"stage": "grpo", "rl": {"beta": 0.1}}), 4)
     message = str(refused.value)
     assert (
         "distributed.strategy: ddp with tensor_parallel: 2" in message
@@ -237,8 +248,8 @@ def test_what_tensor_parallelism_cannot_run_is_refused_with_every_reason() -> No
     assert "train.rl.beta: 0.1" in message and "set train.rl.beta: 0" in message
     for stage in ("dpo", "kto"):
         with pytest.raises(UserInputError, match=f"train.stage: {stage} with tensor_parallel: 2"):
-            _plan(_config(train={"stage": stage}), 2)
-    _plan(_config(train={"stage": "grpo"}), 2)  # beta 0 loads no reference model: it runs
+            plan_of(_config(train={"stage": stage}), 2)
+    plan_of(_config(train={"stage": "grpo"}), 2)  # beta 0 loads no reference model: it runs
 
 
 def test_adapters_with_tensor_parallelism_are_refused_at_load() -> None:

@@ -120,6 +120,11 @@ REGISTRY: tuple[Coupling, ...] = (
     Coupling("transformers.distributed.tensor_parallel:apply_tensor_parallelism", "private_call",
              "distributed/tensor_parallel.py", "shards the parameters and installs the forward hooks of the plan",
              ("model", "tp_mesh", "tp_plan")),
+    Coupling("transformers.distributed.expert_parallel:apply_expert_parallelism", "private_call",
+             "distributed/expert_parallel.py",
+             "splits the experts of the ep_plan over the expert mesh and installs the all-to-all token dispatch; "
+             "the plan comes from _resolve_parallel_plans with DistributedConfig(fsdp_size, ep_size)",
+             ("model", "ep_mesh", "tp_mesh", "plan", "ep_implementation")),
     Coupling("transformers.distributed.mixin:DistributedMixin._tp_size", "private_attribute",
              "distributed/tensor_parallel.py",
              "Trainer.get_tp_size reads it first: the ranks of a tensor group share a batch (token count, loss "

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lmforge.distributed.expert_parallel import shard_experts_over_data
 from lmforge.distributed.pipeline_parallel import PIPELINE_ATTRIBUTE, save_pipeline_model
 from lmforge.distributed.tensor_parallel import shard_data_over_mesh
 
@@ -132,8 +133,10 @@ class CpuFsdp:
             # later FSDP branch (no device move, FSDP2 prepare with the optimizer, DCP checkpoint
             # save/load, full-state save_model) keys off this flag, so setting it here suffices.
             trainer.is_fsdp_enabled = True
-        # A tensor-parallel model gets its FSDP2 over the data dimension of its own 2-D mesh here,
-        # with this plugin's settings; accelerate's prepare() then finds it already wrapped.
+        # A tensor-parallel, expert-parallel or pipeline model gets its FSDP2 over the data dimension
+        # of its own mesh here, with this plugin's settings (the experts first: a parameter belongs
+        # to its innermost FSDP2 unit); accelerate's prepare() then finds it already wrapped.
+        shard_experts_over_data(trainer.model, getattr(trainer.accelerator.state, "fsdp_plugin", None))
         shard_data_over_mesh(trainer, _layer_classes_to_wrap(trainer.model))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

@@ -44,9 +44,9 @@ class Layout:
 
     @property
     def on_lmforge_mesh(self) -> bool:
-        """Tensor or pipeline parallelism: lmforge builds the mesh and wraps the model on it
-        (distributed/tensor_parallel.py, pipeline_parallel.py), not accelerate."""
-        return self.tensor > 1 or self.pipeline > 1
+        """Tensor, pipeline or expert parallelism: lmforge builds the mesh and wraps the model on it
+        (distributed/tensor_parallel.py, pipeline_parallel.py, expert_parallel.py), not accelerate."""
+        return self.tensor > 1 or self.pipeline > 1 or self.expert > 1
 
     def mesh_dims(self) -> dict[str, int]:
         """Mesh dimension name -> size, outermost first, dimensions of size 1 left out (the data
@@ -253,21 +253,27 @@ def _expert_problems(settings: DistributedConfig, config: Any, world_size: int) 
         problems.append(
             f"expert_parallel: {ep} does not divide the model's {experts} experts; choose a divisor of {experts}"
         )
-    spare = world_size // max(settings.tensor_parallel * settings.pipeline_parallel, 1)
+    spare = world_size // max(settings.model_parallel_degree, 1)
     if spare % ep:
         problems.append(
-            f"expert_parallel: {ep} must divide the data x context ranks ({spare} of {world_size}); launch more "
-            "processes or lower expert_parallel"
+            f"expert_parallel: {ep} must divide the data ranks ({spare} of {world_size}): the experts are split "
+            "over ranks that read different batches; launch a multiple of "
+            f"{ep * settings.model_parallel_degree} processes or lower expert_parallel"
         )
     if not getattr(config, "base_model_ep_plan", None):
         problems.append(
             f"expert_parallel: transformers has no expert-parallel plan for {config.model_type!r}"
         )
-    problems.append(
-        "expert_parallel: the training step does not dispatch experts over ranks yet (transformers' "
-        "DistributedConfig(ep_size=...) is the engine it will run on); set expert_parallel: 1 and shard the "
-        "model with distributed.strategy: fsdp"
-    )
+    for key, degree in (
+        ("tensor_parallel", settings.tensor_parallel),
+        ("context_parallel", settings.context_parallel),
+    ):
+        if degree > 1:
+            problems.append(
+                f"expert_parallel: {ep} with {key}: {degree}: experts split over the data ranks with FSDP2 only "
+                f"here (transformers' engine would take the tensor ranks into the expert group; not measured); "
+                f"set {key}: 1, or expert_parallel: 1"
+            )
     return problems
 
 

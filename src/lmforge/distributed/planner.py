@@ -177,7 +177,9 @@ def _layout_memory(
     # the first stage, GPipe all m.
     micro_batches = work.pipeline_microbatches or pipeline
     in_flight = micro_batches if work.gpipe else min(pipeline, micro_batches)
-    activations = int(whole / micro_batches / tensor / pipeline * in_flight) if pipeline > 1 else int(whole / tensor)
+    activations = (
+        int(whole / micro_batches / tensor / pipeline * in_flight) if pipeline > 1 else int(whole / tensor)
+    )
     logits = logits_bytes(shape, batch=work.micro_batch, seq=seq, weight_bytes=w)
     total = parameters + gradients + optimizer + activations + logits
     virtual = 2 if work.interleaved else 1
@@ -204,12 +206,14 @@ def _layout_memory(
 
 def _runs_here(tensor: int, context: int, pipeline: int, expert: int) -> tuple[bool, str]:
     """Whether lmforge's training step runs this layout (distributed/layout.py refuses the rest)."""
-    missing = [name for name, degree in (("context", context), ("expert", expert)) if degree > 1]
-    if missing:
-        return False, f"{' and '.join(missing)} parallelism not in the training step yet"
-    if pipeline > 1 and tensor > 1:
+    if context > 1:
+        return False, "context parallelism not in the training step yet"
+    if pipeline > 1 and (tensor > 1 or expert > 1):
         return False, "pipeline stages compose with data sharding only"
-    return True, "fsdp x tp" if tensor > 1 else "fsdp x pp" if pipeline > 1 else "fsdp"
+    if expert > 1 and tensor > 1:
+        return False, "expert parallelism composes with data sharding only"
+    kinds = [name for name, degree in (("tp", tensor), ("pp", pipeline), ("ep", expert)) if degree > 1]
+    return True, " x ".join(["fsdp", *kinds])
 
 
 def _recommend(rows: list[LayoutMemory], budget: float | None) -> LayoutPlan:

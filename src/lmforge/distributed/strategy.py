@@ -102,6 +102,8 @@ class Plan:
         tensor or pipeline parallel alone runs on the same mesh with one data shard
         (distributed/tensor_parallel.py, pipeline_parallel.py)."""
         offload = ", CPU offload" if self.settings.offload != "none" else ""
+        if self.layout.tensor == self.layout.pipeline == 1:  # experts over the data ranks: no new dimension
+            return f"fsdp x ep ({self.layout.describe()}{offload})"
         model = "tp" if self.layout.tensor > 1 else "pp"
         kind = f"fsdp x {model}" if self.layout.data > 1 else model
         return f"{kind} (2-D mesh {self.layout.describe()}{offload})"
@@ -122,6 +124,8 @@ def plan_for(cfg: LmforgeConfig, *, precision: str, on_gpu: bool, world: World |
         _check_tensor_parallel(cfg, settings, engine)
     if layout.pipeline > 1:
         _check_pipeline_parallel(cfg, settings, engine)
+    if layout.expert > 1:
+        _check_expert_parallel(cfg, settings, engine)
     if engine == "none" and world.size > 1:
         raise UserInputError(
             f"distributed.strategy is none but {world.size} workers were launched; "
@@ -194,6 +198,28 @@ def _check_tensor_parallel(cfg: LmforgeConfig, settings: DistributedConfig, engi
         raise UserInputError("distributed.tensor_parallel cannot run this:\n  - " + "\n  - ".join(problems))
 
 
+def _check_expert_parallel(cfg: LmforgeConfig, settings: DistributedConfig, engine: str) -> None:
+    """What expert parallelism (distributed/expert_parallel.py) cannot run, all reasons at once.
+    Adapters are refused with strategy fsdp by config/cross_checks.py."""
+    degree, stage = settings.expert_parallel, cfg.train.stage
+    problems = []
+    if engine != "fsdp":
+        problems.append(
+            f"distributed.strategy: {settings.strategy} with expert_parallel: {degree}: the ranks hold different "
+            "experts, so DDP's all-reduce would average unrelated gradients; set distributed.strategy: fsdp "
+            "(FSDP2 shards the dense layers over the data ranks, the experts are split between them)"
+        )
+    if stage in ("dpo", "kto") or (stage in ("grpo", "rloo") and cfg.train.rl.beta > 0):
+        problems.append(
+            f"train.stage: {stage} with expert_parallel: {degree}: the reference model would run its own "
+            "forward on some ranks only, and every expert-parallel forward is a collective over the expert "
+            "group (a hang); set distributed.expert_parallel: 1"
+            + (" or train.rl.beta: 0" if stage in ("grpo", "rloo") else "")
+        )
+    if problems:
+        raise UserInputError("distributed.expert_parallel cannot run this:\n  - " + "\n  - ".join(problems))
+
+
 def _check_pipeline_parallel(cfg: LmforgeConfig, settings: DistributedConfig, engine: str) -> None:
     """What the pipeline engine (distributed/pipeline_parallel.py) cannot run, all reasons at once.
     Adapters are refused with strategy fsdp by config/cross_checks.py."""
@@ -263,9 +289,9 @@ def _chosen_settings(cfg: LmforgeConfig, world: World, *, on_gpu: bool) -> tuple
     settings = cfg.distributed
     if settings.strategy != "auto" or settings.deepspeed_config is not None:
         return settings, "as configured"
-    if settings.tensor_parallel > 1 or settings.pipeline_parallel > 1:
+    if settings.model_parallel_degree * settings.expert_parallel > 1:
         return settings.model_copy(update={"strategy": "fsdp"}), (
-            "auto: tensor and pipeline parallelism run on FSDP2's device mesh"
+            "auto: tensor, pipeline and expert parallelism run on FSDP2's device mesh"
         )
     if world.size == 1:
         return settings.model_copy(update={"strategy": "none"}), "auto: one process"
