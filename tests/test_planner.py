@@ -172,7 +172,7 @@ def test_an_architecture_transformers_refuses_is_a_config_error_not_a_traceback(
 
 
 def test_strategy_auto_takes_tensor_parallelism_before_offloading() -> None:
-    from lmforge.distributed.strategy import _tensor_parallel_choice
+    from lmforge.distributed.strategy import _model_parallel_choice
 
     cfg = _config(LLAMA_7B, gradient_checkpointing=False, micro_batch_size=2)
     plan = _layouts(cfg, gpus=8, mem=None)
@@ -188,8 +188,31 @@ def test_strategy_auto_takes_tensor_parallelism_before_offloading() -> None:
     assert (
         estimate.recommended is not None and "offload" in estimate.recommended
     )  # data-parallel would offload
-    settings, reason = _tensor_parallel_choice(cfg, estimate, budget) or (None, "")
+    settings, reason = _model_parallel_choice(cfg, estimate, budget) or (None, "")
     assert settings is not None and (settings.strategy, settings.tensor_parallel) == ("fsdp", 2)
     assert "fsdp x tp (data 4 x tensor 2)" in reason
     lora = cfg.model_copy(update={"train": cfg.train.model_copy(update={"method": "lora"})})
-    assert _tensor_parallel_choice(lora, estimate, budget) is None  # adapters cannot take TP
+    assert _model_parallel_choice(lora, estimate, budget) is None  # adapters cannot take TP
+
+
+def test_strategy_auto_takes_pipeline_stages_where_tensor_parallelism_cannot_split_the_heads() -> None:
+    from lmforge.distributed.strategy import _model_parallel_choice
+
+    one_kv_head = {**LLAMA_7B, "num_key_value_heads": 1}  # no tensor degree but 1 divides one KV head
+    cfg = _config(one_kv_head, gradient_checkpointing=False, micro_batch_size=2)
+    plan = _layouts(cfg, gpus=8, mem=None)
+    assert {r["tensor"] for r in plan["layouts"]} == {1}
+    staged, data_only = (
+        _row(plan, tensor=1, context=1, pipeline=2),
+        _row(plan, tensor=1, context=1, pipeline=1),
+    )
+    assert staged["runnable"] and staged["total"] < data_only["total"]
+    budget = int((staged["total"] + data_only["total"]) / 2 / 0.9)
+    estimate = estimate_memory(cfg, gpus=8, gpu_mem_bytes=budget, nodes=1)
+    assert estimate.recommended is not None and "offload" in estimate.recommended
+    settings, reason = _model_parallel_choice(cfg, estimate, budget) or (None, "")
+    assert settings is not None and (settings.strategy, settings.pipeline_parallel) == ("fsdp", 2)
+    assert "fsdp x pp (data 4 x pipeline 2)" in reason
+    # A micro-batch the two stages cannot cut in two: the data-parallel choice (offload) stands.
+    too_small = cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch_size": 1})})
+    assert _model_parallel_choice(too_small, estimate, budget) is None

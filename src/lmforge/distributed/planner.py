@@ -28,6 +28,7 @@ from typing import Any
 
 from lmforge.config.schema import LmforgeConfig
 from lmforge.distributed.estimate import Estimate, ModelShape, activation_bytes, logits_bytes
+from lmforge.distributed.layout import STAGEABLE_FAMILIES
 
 __all__ = ["LayoutMemory", "LayoutPlan", "Workload", "plan_layouts", "plan_layouts_for"]
 
@@ -184,7 +185,7 @@ def _layout_memory(
     total = parameters + gradients + optimizer + activations + logits
     virtual = 2 if work.interleaved else 1
     bubble = (pipeline - 1) / (virtual * micro_batches + pipeline - 1) if pipeline > 1 else 0.0
-    runnable, note = _runs_here(tensor, context, pipeline, expert)
+    runnable, note = _runs_here(shape, tensor, context, pipeline, expert)
     return LayoutMemory(
         data=data,
         tensor=tensor,
@@ -204,8 +205,10 @@ def _layout_memory(
     )
 
 
-def _runs_here(tensor: int, context: int, pipeline: int, expert: int) -> tuple[bool, str]:
+def _runs_here(shape: ModelShape, tensor: int, context: int, pipeline: int, expert: int) -> tuple[bool, str]:
     """Whether lmforge's training step runs this layout (distributed/layout.py refuses the rest)."""
+    if pipeline > 1 and shape.model_type and shape.model_type not in STAGEABLE_FAMILIES:
+        return False, f"pipeline stages are cut for {', '.join(sorted(STAGEABLE_FAMILIES))} only"
     if context > 1:
         return False, "context parallelism not in the training step yet"
     if pipeline > 1 and (tensor > 1 or expert > 1):

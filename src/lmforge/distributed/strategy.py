@@ -300,10 +300,10 @@ def _chosen_settings(cfg: LmforgeConfig, world: World, *, on_gpu: bool) -> tuple
     device_bytes = _device_memory(world, on_gpu=on_gpu)
     estimate = estimate_memory(cfg, gpus=world.local_size, gpu_mem_bytes=device_bytes, nodes=world.nodes)
     if estimate.recommended is None or "offload" in estimate.recommended:
-        # Tensor parallelism keeps everything on the devices; offloading moves states over PCIe.
-        tensor = _tensor_parallel_choice(cfg, estimate, device_bytes)
-        if tensor is not None:
-            return tensor
+        # Model parallelism keeps everything on the devices; offloading moves states over PCIe.
+        model_parallel = _model_parallel_choice(cfg, estimate, device_bytes)
+        if model_parallel is not None:
+            return model_parallel
     if estimate.recommended is None:
         raise UserInputError(
             f"distributed.strategy auto: no strategy fits {device_bytes / 2**30:.1f} GiB per device "
@@ -319,23 +319,42 @@ def _chosen_settings(cfg: LmforgeConfig, world: World, *, on_gpu: bool) -> tuple
     return chosen, reason
 
 
-def _tensor_parallel_choice(
+def _model_parallel_choice(
     cfg: LmforgeConfig, estimate: Any, device_bytes: int
 ) -> tuple[DistributedConfig, str] | None:
-    """FSDP2 x TP from the layout planner, when no data-parallel strategy fits without offload and
-    this run can take tensor parallelism (full fine-tuning, no reference model)."""
+    """FSDP2 x TP, x pipeline or x experts from the layout planner, when no data-parallel strategy
+    fits without offload and this run passes the same checks a configured layout would (full
+    fine-tuning; no reference model under TP; pipeline stages for pretrain and sft)."""
     if cfg.train.method != "full" or cfg.train.stage in ("dpo", "kto", "grpo", "rloo"):
         return None
     from lmforge.distributed.planner import plan_layouts_for
 
     best = plan_layouts_for(cfg, estimate).recommended
-    if best is None or best.tensor == 1:
+    if best is None or best.tensor == best.pipeline == best.expert == 1:
         return None
-    chosen = cfg.distributed.model_copy(update={"strategy": "fsdp", "tensor_parallel": best.tensor})
+    degrees = {
+        "tensor_parallel": best.tensor,
+        "pipeline_parallel": best.pipeline,
+        "expert_parallel": best.expert,
+    }
+    chosen = cfg.distributed.model_copy(update={"strategy": "fsdp", **degrees})
+    checks = ((best.tensor, _check_tensor_parallel), (best.pipeline, _check_pipeline_parallel),
+              (best.expert, _check_expert_parallel))  # fmt: skip
+    try:
+        for degree, check in checks:
+            if degree > 1:
+                check(cfg, chosen, "fsdp")
+    except UserInputError:
+        return None  # this run cannot take that layout: the data-parallel choice stands
+    mesh = " x ".join(
+        [
+            f"data {best.data}",
+            *(f"{key.removesuffix('_parallel')} {d}" for key, d in degrees.items() if d > 1),
+        ]
+    )
     reason = (
-        f"auto: no data-parallel strategy fits without offload; fsdp x tp (data {best.data} x tensor "
-        f"{best.tensor}) does ({best.total / 2**30:.2f} of {device_bytes / 2**30:.1f} GiB per device, "
-        "`lmforge estimate`)"
+        f"auto: no data-parallel strategy fits without offload; {best.note} ({mesh}) does "
+        f"({best.total / 2**30:.2f} of {device_bytes / 2**30:.1f} GiB per device, `lmforge estimate`)"
     )
     return chosen, reason
 
