@@ -1,11 +1,13 @@
-"""FSDP2 alone vs FSDP2 x tensor parallelism (data_shard 2 x tensor 2) on 4 processes: training
-throughput and peak memory per rank at the same global batch, side by side in one invocation.
+"""FSDP2 alone vs FSDP2 x tensor parallelism (data_shard 2 x tensor 2) and FSDP2 x pipeline
+(data_shard 2 x pipeline 2, 1F1B, two pipeline micro-batches) on 4 processes: training throughput
+and peak memory per rank at the same global batch, side by side in one invocation.
 
 Same model, data, seed and global batch: FSDP2 alone runs 4 data ranks x `--micro` sequences,
-FSDP2 x TP 2 data ranks x 2 `--micro` (each tensor group of 2 ranks reads one batch). Each run's
+the 2-D layouts 2 data ranks x 2 `--micro` (each tensor group or pipeline of 2 ranks reads one
+batch). Each run's
 throughput is the median `tokens_per_s` (global, every token counted once) of its logged steps
 after `--warmup` (metrics.jsonl); its memory is each rank's peak RSS (getrusage, written by the
-worker at the end of training). Runs alternate fsdp, fsdp x tp for `--repeats` rounds. On CPU
+worker at the end of training). Runs alternate the `--layouts` for `--repeats` rounds. On CPU
 (gloo) the tensor-parallel all-reduces run inside every layer, so expect TP to lose throughput and
 save per-rank memory; the ratios, not the absolute figures, carry over between machines.
 
@@ -33,11 +35,16 @@ from typing import Any
 import yaml
 
 PROCESSES = 4
-TENSOR = 2
+# Layout name -> the `distributed:` degrees it adds to strategy fsdp.
+LAYOUTS: dict[str, dict[str, int]] = {
+    "fsdp": {},
+    "fsdp x tp": {"tensor_parallel": 2},
+    "fsdp x pp": {"pipeline_parallel": 2, "pipeline_microbatches": 2},
+}
 
 
-def write_config(out: Path, name: str, args: argparse.Namespace, *, tensor: int) -> Path:
-    data_ranks = PROCESSES // tensor
+def write_config(out: Path, name: str, args: argparse.Namespace, *, degrees: dict[str, int]) -> Path:
+    data_ranks = PROCESSES // (degrees.get("tensor_parallel", 1) * degrees.get("pipeline_parallel", 1))
     config = {
         "run": {"name": name, "output_dir": str(out), "seed": 0, "overwrite": True},
         "model": {
@@ -65,7 +72,7 @@ def write_config(out: Path, name: str, args: argparse.Namespace, *, tensor: int)
             "save_every": None,
             "log_every": 1,
         },
-        "distributed": {"strategy": "fsdp", "tensor_parallel": tensor},
+        "distributed": {"strategy": "fsdp", **degrees},
         "monitor": {"eval_generations": None, "loggers": []},
     }
     path = out / f"{name}.yaml"
@@ -79,9 +86,11 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def timed_run(out: Path, name: str, args: argparse.Namespace, *, tensor: int) -> tuple[float, list[int]]:
+def timed_run(
+    out: Path, name: str, args: argparse.Namespace, *, degrees: dict[str, int]
+) -> tuple[float, list[int]]:
     """(median global tokens/s after the warm-up, peak RSS bytes of each rank)."""
-    config = write_config(out, name, args, tensor=tensor)
+    config = write_config(out, name, args, degrees=degrees)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(PROCESSES),
         "--master_port", str(_free_port()), __file__, "--worker", str(config),
@@ -128,38 +137,38 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
+    parser.add_argument(
+        "--layouts", default="fsdp,fsdp x tp,fsdp x pp", help="comma-separated, of " + ", ".join(LAYOUTS)
+    )
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
         worker(args.worker)
         return
-    runs: dict[str, list[tuple[float, list[int]]]] = {"fsdp": [], "fsdp x tp": []}
+    names = [name.strip() for name in args.layouts.split(",")]
+    runs: dict[str, list[tuple[float, list[int]]]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         warm = argparse.Namespace(**{**vars(args), "steps": 2, "warmup": 0})
-        timed_run(out, "warm", warm, tensor=1)  # the tokenizer and the data cache, shared by both
+        timed_run(out, "warm", warm, degrees={})  # the tokenizer and the data cache, shared by all
         for repeat in range(args.repeats):
-            for name, tensor in (("fsdp", 1), ("fsdp x tp", TENSOR)):
-                tokens, rss = timed_run(out, f"{name.replace(' ', '')}-{repeat}", args, tensor=tensor)
+            for name in names:
+                tokens, rss = timed_run(out, f"{name.replace(' ', '')}-{repeat}", args, degrees=LAYOUTS[name])
                 runs[name].append((tokens, rss))
                 peak = ", ".join(f"{b / 2**20:.0f}" for b in rss)
                 print(f"{name:9} {tokens:9.0f} tokens/s  peak RSS per rank (MiB): {peak}", flush=True)
-    fsdp_tokens = statistics.median(t for t, _ in runs["fsdp"])
-    tp_tokens = statistics.median(t for t, _ in runs["fsdp x tp"])
-    fsdp_rss = statistics.median(max(r) for _, r in runs["fsdp"])
-    tp_rss = statistics.median(max(r) for _, r in runs["fsdp x tp"])
     print(
         f"model: llama hidden {args.hidden} x {args.layers} layers, seq {args.seq}, global batch {PROCESSES * args.micro}"
     )
-    print(
-        f"fsdp (data_shard=4):            {fsdp_tokens:9.0f} tokens/s, max peak RSS {fsdp_rss / 2**20:.0f} MiB"
-    )
-    print(
-        f"fsdp x tp (data_shard=2 x tp=2): {tp_tokens:9.0f} tokens/s, max peak RSS {tp_rss / 2**20:.0f} MiB"
-    )
-    print(
-        f"ratios fsdp x tp / fsdp: throughput {tp_tokens / fsdp_tokens:.3f}, peak RSS {tp_rss / fsdp_rss:.3f}"
-    )
+    base_tokens = statistics.median(t for t, _ in runs[names[0]])
+    base_rss = statistics.median(max(r) for _, r in runs[names[0]])
+    for name in names:
+        tokens = statistics.median(t for t, _ in runs[name])
+        rss = statistics.median(max(r) for _, r in runs[name])
+        print(
+            f"{name:9}: {tokens:9.0f} tokens/s ({tokens / base_tokens:.3f}x), max peak RSS {rss / 2**20:.0f} MiB "
+            f"({rss / base_rss:.3f}x of {names[0]})"
+        )
 
 
 if __name__ == "__main__":

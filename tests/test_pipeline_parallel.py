@@ -1,8 +1,9 @@
 """Pipeline parallelism (torch.distributed.pipelining's schedules over HF decoder stages) through
 the HF Trainer on CPU (gloo): distributed/pipeline_parallel.py.
 
-A tiny 4-layer Llama with a tied embedding is trained four steps by one process (the reference)
-and by two pipeline stages (`lmforge launch`, 1F1B, two pipeline micro-batches per micro-batch);
+A tiny 4-layer Llama with a tied embedding is trained four steps by one process (the reference),
+by two pipeline stages (`lmforge launch`, 1F1B, two pipeline micro-batches per micro-batch) and by
+interleaved 1F1B (four stages of one layer on two ranks);
 the stages' checkpoint then resumes both on two stages and on one process (DCP reshards the
 stages' distinct keys into the whole model). Heavier layouts (FSDP2 x pipeline on 4 processes,
 GPipe with 4 micro-batches) run under `make test-integration`.
@@ -90,7 +91,11 @@ def test_two_stages_train_the_same_curve_as_one_process(runs: dict[str, Any]) ->
 
 
 def test_each_stage_holds_only_its_layers(runs: dict[str, Any]) -> None:
-    stages = dict(re.findall(r"stage (\d) of 2 holds ([\d,]+) parameter elements", runs["stderr"]))
+    stages = dict(
+        re.findall(
+            r"rank (\d) of 2 in its pipeline \(1 stage\(s\) each\) holds ([\d,]+) parameter", runs["stderr"]
+        )
+    )
     held = {int(k): int(v.replace(",", "")) for k, v in stages.items()}
     # Two of the 4 layers per stage; the embedding on stage 1 and, tied to the head, on stage 2 too;
     # the final norm (64) on stage 2.
@@ -144,6 +149,23 @@ def test_the_stages_checkpoint_resumes_on_two_stages_and_on_one_process(runs: di
     assert "its torch DCP shards load into the whole model and optimizer" in result.stderr
     for run in ("pp-resumed", "pp-to-one"):
         assert_same_curve(out / run, out / "single", [3, 4], keys=("loss",))
+
+
+def test_interleaved_1f1b_runs_two_stages_per_rank_and_matches_one_process(runs: dict[str, Any]) -> None:
+    out = runs["out"]
+    settings = config(out, runs["corpus"], "interleaved", strategy="fsdp", pipeline_parallel=2)
+    settings["distributed"] |= {"pipeline_schedule": "interleaved_1f1b", "pipeline_microbatches": 4}
+    result = launch(write(out / "interleaved.yaml", settings), 2)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "rank 1 of 2 in its pipeline (2 stage(s) each)" in result.stderr
+    assert_same_curve(out / "interleaved", out / "single", [1, 2, 3, 4], keys=("loss", "grad_norm"))
+    # 4 stages of one layer: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3 (torch's loop order).
+    index = json.loads((out / "interleaved" / "final" / "model.safetensors.index.json").read_text())[
+        "weight_map"
+    ]
+    held = {int(k.split(".")[2]): v for k, v in index.items() if k.endswith("self_attn.q_proj.weight")}
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    assert held == {0: first, 1: second, 2: first, 3: second}, held
 
 
 @pytest.mark.integration

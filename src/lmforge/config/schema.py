@@ -708,8 +708,8 @@ class DistributedConfig(Section):
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
         "1f1b",
         description="Pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (one forward, one "
-        "backward: less activation memory), interleaved_1f1b (several stages per rank: smaller bubble; "
-        "refused for now: lmforge cuts one stage per rank).",
+        "backward: less activation memory), interleaved_1f1b (two stages per rank, rank r holding stages r "
+        "and r + pipeline_parallel: a smaller bubble; the layers must divide into 2 x pipeline_parallel stages).",
     )
     pipeline_microbatches: int | None = Field(
         None,

@@ -200,11 +200,6 @@ def _pipeline_problems(settings: DistributedConfig, config: Any) -> list[str]:
             f"from the hidden states, which {sorted(STAGEABLE_FAMILIES)} take unchanged); use one of those, or "
             "distributed.strategy: fsdp with tensor_parallel"
         )
-    if settings.pipeline_schedule == "interleaved_1f1b":
-        problems.append(
-            "pipeline_schedule: interleaved_1f1b needs several stages per rank, and lmforge cuts one stage per "
-            "rank; use 1f1b (or gpipe)"
-        )
     others = {"tensor_parallel": settings.tensor_parallel, "context_parallel": settings.context_parallel,
               "expert_parallel": settings.expert_parallel}  # fmt: skip
     for key, degree in others.items():

@@ -80,29 +80,58 @@ class _PassThrough(nn.Module):
         return args[0] if args else next(iter(kwargs.values()))
 
 
+class _StageLayers(nn.ModuleList):
+    """The decoder's layer list (every index, so every parameter keeps its name). While a stage
+    runs (`active`), the decoder's loop over it gets that stage's layers and a pass-through at
+    every other index: the layer numbers the loop counts (a Qwen2 layer's attention type) hold,
+    and a rank holding two stages (interleaved 1F1B) runs one at a time."""
+
+    active: range | None = None
+
+    def __getitem__(self, index: Any) -> Any:
+        found = super().__getitem__(index)
+        if not isinstance(index, slice) or self.active is None:
+            return found
+        first = range(len(self))[index].start if len(self) else 0
+        return [layer if first + i in self.active else _SKIP for i, layer in enumerate(found)]
+
+
+_SKIP = _PassThrough()
+
+
 class _StageForward(nn.Module):
-    """The module torch's PipelineStage runs: the HF model's own forward on this stage's part.
+    """The module torch's PipelineStage runs: the HF model's own forward on one stage's part.
 
     Calling the whole model (not its submodules) keeps FSDP2's root hooks and the model's mask
-    and rotary-position code; the pass-throughs make it this stage's slice. On every stage but
-    the last, the "logits" are the hidden states, since norm and head are pass-throughs there."""
+    and rotary-position code; `_StageLayers` limits the loop to this stage's layers. On every stage
+    but the last, the "logits" are the hidden states: norm and head are pass-throughs there."""
 
-    def __init__(self, model: nn.Module, *, first: bool) -> None:
+    def __init__(self, model: nn.Module, *, index: int, total: int, layers: range) -> None:
         super().__init__()
-        self.model, self.first = model, first
+        self.model, self.index, self.total, self.layers = model, index, total, layers
 
     def forward(self, hidden: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        inputs = {"input_ids": hidden} if self.first else {"inputs_embeds": hidden}
-        return self.model(**inputs, **kwargs, use_cache=False).logits
+        inputs = {"input_ids": hidden} if self.index == 0 else {"inputs_embeds": hidden}
+        model: Any = self.model
+        base = getattr(model, model.base_model_prefix)
+        held = base.norm, model.lm_head
+        base.layers.active = self.layers
+        if self.index != self.total - 1:  # the last rank's earlier stage (interleaved): no head yet
+            base.norm, model.lm_head = _SKIP, _SKIP
+        try:
+            return model(**inputs, **kwargs, use_cache=False).logits
+        finally:
+            base.layers.active = None
+            base.norm, model.lm_head = held
 
 
 @dataclass
 class Pipeline:
     """One rank's place in the pipeline and the schedules it has built."""
 
-    stage: int
-    stages: int
-    schedule: str  # gpipe | 1f1b
+    stage: int  # this rank's place in the pipeline (its first stage under interleaved 1F1B)
+    stages: int  # ranks in the pipeline
+    schedule: str  # gpipe | 1f1b | interleaved_1f1b
     microbatches: int
     group: Any  # the process group of this rank's pipeline (its mesh row)
     device: torch.device
@@ -114,11 +143,18 @@ class Pipeline:
 
     @property
     def first(self) -> bool:
+        """This rank holds stage 0 (the embedding)."""
         return self.stage == 0
 
     @property
     def last(self) -> bool:
+        """This rank holds the last stage (final norm and head)."""
         return self.stage == self.stages - 1
+
+    @property
+    def per_rank(self) -> int:
+        """Stages each rank runs: two under interleaved 1F1B (rank r: stages r and r + ranks)."""
+        return 2 if self.schedule == "interleaved_1f1b" else 1
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed next-token cross-entropy over one pipeline micro-batch, over the step's count."""
@@ -131,17 +167,29 @@ class Pipeline:
 
     def schedule_for(self, model: nn.Module, shape: tuple[int, ...], *, training: bool) -> Any:
         """The schedule for batches of `shape` (each stage's receive buffers are sized by it)."""
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import PipelineStage
 
         chunks = min(self.microbatches, shape[0])
-        # 1F1B needs at least one micro-batch per stage; a short last batch runs GPipe (same sums).
-        kind = Schedule1F1B if self.schedule == "1f1b" and chunks >= self.stages else ScheduleGPipe
         key = (shape, training)
         if key not in self._schedules:
-            stage = PipelineStage(
-                _StageForward(model, first=self.first), self.stage, self.stages, self.device, group=self.group
-            )
-            self._schedules[key] = kind(stage, n_microbatches=chunks, loss_fn=self.loss, scale_grads=False)
+            total = self.stages * self.per_rank
+            hf_model: Any = model
+            layers = len(getattr(hf_model, hf_model.base_model_prefix).layers)
+            stages = [
+                PipelineStage(
+                    _StageForward(
+                        model, index=index, total=total, layers=_stage_layers(index, total, layers)
+                    ),
+                    index,
+                    total,
+                    self.device,
+                    group=self.group,
+                )
+                for index in range(self.stage, total, self.stages)  # this rank's stages
+            ]
+            kind = _schedule_class(self.schedule, chunks, self.stages)
+            run_on = stages if self.per_rank > 1 else stages[0]
+            self._schedules[key] = kind(run_on, n_microbatches=chunks, loss_fn=self.loss, scale_grads=False)
             while len(self._schedules) > _CACHED_SCHEDULES:
                 self._schedules.popitem(last=False)
         self._schedules.move_to_end(key)
@@ -225,7 +273,8 @@ def split_into_stages(
     if on_gpu:
         model.to(device)  # type: ignore[arg-type]  # transformers' .to stub
     whole = count_parameters(model)
-    tied_name = _cut_stage(model, stage, stages)
+    per_rank = 2 if schedule == "interleaved_1f1b" else 1
+    tied_name = _cut_stage(model, stage, stages, per_rank)
     # FSDP2 warns that the root returned a view: on a stage without the head, the model's "logits"
     # are a slice of its hidden states. The schedule only sends them on, never edits them in place.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -243,18 +292,46 @@ def split_into_stages(
     setattr(model, MESH_ATTRIBUTE, mesh)
     setattr(model, PIPELINE_ATTRIBUTE, pipeline)
     owned = sum(p.numel() for p in model.parameters())
-    log.info("pipeline parallel: stage %d of %d holds %s parameter elements", stage + 1, stages, f"{owned:,}")
+    log.info(
+        "pipeline parallel: rank %d of %d in its pipeline (%d stage(s) each) holds %s parameter elements",
+        stage + 1,
+        stages,
+        per_rank,
+        f"{owned:,}",
+    )
 
 
-def _cut_stage(model: PreTrainedModel, stage: int, stages: int) -> str | None:
-    """Replace what other stages own by pass-throughs; the tied embedding's name, if any."""
+def _stage_layers(index: int, total: int, layers: int) -> range:
+    """The decoder layers of stage `index` of `total`: consecutive, the same count each."""
+    per_stage = layers // total
+    return range(index * per_stage, (index + 1) * per_stage)
+
+
+def _schedule_class(schedule: str, chunks: int, ranks: int) -> Any:
+    """torch's schedule for `chunks` pipeline micro-batches over `ranks` ranks. A short last batch
+    (fewer chunks than 1F1B needs) runs the all-forwards-first variant: the same sums."""
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleLoopedBFS,
+    )
+
+    if schedule == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B if chunks >= ranks and chunks % ranks == 0 else ScheduleLoopedBFS
+    return Schedule1F1B if schedule == "1f1b" and chunks >= ranks else ScheduleGPipe
+
+
+def _cut_stage(model: PreTrainedModel, stage: int, stages: int, per_rank: int) -> str | None:
+    """Replace what this rank's stages do not own by pass-throughs; the tied embedding's name."""
     base: Any = getattr(model, model.base_model_prefix)
-    layers = base.layers
-    per_stage = len(layers) // stages
-    owned = range(stage * per_stage, (stage + 1) * per_stage)
-    for index in range(len(layers)):
-        if index not in owned:
-            layers[index] = _PassThrough()
+    total = stages * per_rank
+    owned = {
+        i for index in range(stage, total, stages) for i in _stage_layers(index, total, len(base.layers))
+    }
+    base.layers = _StageLayers(
+        layer if index in owned else _PassThrough() for index, layer in enumerate(base.layers)
+    )
     first, last = stage == 0, stage == stages - 1
     tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
     embedding_name = _module_name(model, model.get_input_embeddings()) + ".weight"

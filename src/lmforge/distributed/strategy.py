@@ -260,6 +260,11 @@ def _check_pipeline_parallel(cfg: LmforgeConfig, settings: DistributedConfig, en
             f"distributed.pipeline_microbatches {chunks} < {stages} stages: 1f1b needs one micro-batch per stage; "
             f"raise it to {stages} or use pipeline_schedule: gpipe"
         )
+    if settings.pipeline_schedule == "interleaved_1f1b" and chunks % stages:
+        problems.append(
+            f"distributed.pipeline_microbatches {chunks}: interleaved_1f1b runs rounds of one micro-batch per "
+            f"rank, so it must be a multiple of pipeline_parallel ({stages})"
+        )
     if problems:
         raise UserInputError("distributed.pipeline_parallel cannot run this:\n  - " + "\n  - ".join(problems))
 
