@@ -11,7 +11,7 @@ GPipe with 4 micro-batches) run under `make test-integration`.
 Tolerance: the global batch, seed and data are the same as the single process. The last stage
 sums token cross-entropies per pipeline micro-batch and divides by the step's token count, so
 the loss and gradient are the whole micro-batch's up to the order of float sums (measured: loss
-within 1e-7 of one process over 4 steps, eval loss equal, gradient norms within 3e-7). LOSS_RTOL
+within 1e-6 of ~5.7 (2e-7 relative) over 4 steps, eval loss within 5e-7, gradient norms within 6e-7). LOSS_RTOL
 (5e-6) is the tensor-parallel tests' bound: a stage reading another batch, a loss divided by the
 micro-batch count twice, a tied embedding whose two copies drift apart, or a gradient norm of one
 stage only would all show at the first steps (the lr makes each step move the loss by 0.2-0.3).
