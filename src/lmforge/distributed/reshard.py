@@ -416,11 +416,15 @@ class ReshardResume:
             # HF calls this right after DeepSpeed loaded the checkpoint into its engine.
             separate_step_counters(trainer.model_wrapped.optimizer)
         plain = not (trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled)
-        dcp = checkpoint is not None and is_dcp_checkpoint(Path(checkpoint))
         # accelerate's FSDP2 load reads group settings by position: a flattened checkpoint (pipeline
         # stages wrote it) loads here, under FSDP2 too.
-        flat = dcp and trainer.is_fsdp_enabled and dcp_optimizer_is_flat(Path(checkpoint) / DCP_OPTIMIZER_DIR)  # type: ignore[arg-type]
-        if checkpoint is None or not dcp or not (plain or flat):
+        flat = (
+            checkpoint is not None
+            and trainer.is_fsdp_enabled
+            and is_dcp_checkpoint(Path(checkpoint))
+            and dcp_optimizer_is_flat(Path(checkpoint) / DCP_OPTIMIZER_DIR)
+        )
+        if checkpoint is None or not is_dcp_checkpoint(Path(checkpoint)) or not (plain or flat):
             super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
             return
         load_dcp_optimizer(trainer.model, trainer.optimizer, Path(checkpoint), collective=flat)
