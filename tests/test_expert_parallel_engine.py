@@ -21,7 +21,6 @@ all-to-all hands an expert rows in another order, FSDP2 sums the two halves' gra
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -37,20 +36,15 @@ from transformers import AutoModelForCausalLM
 
 from lmforge.distributed.layout import Layout
 from tests.conftest import ROOT
-from tests.test_tensor_parallel import free_port
+from tests.test_tensor_parallel import LOSS_RTOL, free_port, load_script
 
 SCRIPT = ROOT / "tests" / "dist_scripts" / "ep_worker.py"
-LOSS_RTOL = 5e-6
 GRAD_RTOL = 1e-5
 EXPERT_WEIGHTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 def _worker() -> Any:
-    spec = importlib.util.spec_from_file_location("ep_worker", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def _run(out: Path, nproc: int) -> list[dict[str, Any]]:

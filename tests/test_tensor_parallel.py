@@ -77,8 +77,9 @@ def _run_script(out: Path, nproc: int, tensor: int, *extra: str) -> None:
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
 
-def _script_module() -> Any:
-    spec = importlib.util.spec_from_file_location("tp_trainer", SCRIPT)
+def load_script(path: Path = SCRIPT) -> Any:
+    """A worker script under tests/dist_scripts as a module (its helpers, without running it)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -182,7 +183,7 @@ def test_the_final_model_is_saved_whole_and_loads(runs: Path, run: str) -> None:
     assert "lm_head.weight" not in saved  # the head is tied: from_pretrained ties it back
     model = AutoModelForCausalLM.from_pretrained(str(final)).eval()
     # The loaded model is the trained one: its mean loss over the eval rows is the run's last eval_loss.
-    rows = _script_module().Progressions(9, offset=1000).ids
+    rows = load_script().Progressions(9, offset=1000).ids
     with torch.no_grad():
         losses = [float(model(input_ids=row[None], labels=row[None]).loss) for row in rows]
     last_eval = _ranks(runs / run, 1)[0]["eval_losses"]["4"]

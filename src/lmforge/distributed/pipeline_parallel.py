@@ -157,13 +157,11 @@ class Pipeline:
         return 2 if self.schedule == "interleaved_1f1b" else 1
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Summed next-token cross-entropy over one pipeline micro-batch, over the step's count."""
-        shifted = nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-        summed = nn.functional.cross_entropy(
-            logits.float().flatten(0, 1), shifted.flatten().to(logits.device), ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )  # fmt: skip
-        return summed / self.normalizer
+        """One pipeline micro-batch's next-token cross-entropy, summed and divided by the step's
+        count: transformers' own causal-LM loss, as the model computes it given the count."""
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        return ForCausalLMLoss(logits, labels, logits.shape[-1], num_items_in_batch=self.normalizer)  # type: ignore[arg-type]
 
     def schedule_for(self, model: nn.Module, shape: tuple[int, ...], *, training: bool) -> Any:
         """The schedule for batches of `shape` (each stage's receive buffers are sized by it)."""
