@@ -1,10 +1,11 @@
-"""FSDP2 alone vs FSDP2 x tensor parallelism (data_shard 2 x tensor 2) and FSDP2 x pipeline
-(data_shard 2 x pipeline 2, 1F1B, two pipeline micro-batches) on 4 processes: training throughput
-and peak memory per rank at the same global batch, side by side in one invocation.
+"""FSDP2 alone vs FSDP2 x tensor parallelism (data_shard 2 x tensor 2), FSDP2 x pipeline
+(data_shard 2 x pipeline 2, 1F1B, two pipeline micro-batches) and FSDP2 x context parallelism
+(data_shard 2 x context 2) on 4 processes: training throughput and peak memory per rank at the
+same global batch, side by side in one invocation.
 
 Same model, data, seed and global batch: FSDP2 alone runs 4 data ranks x `--micro` sequences,
-the 2-D layouts 2 data ranks x 2 `--micro` (each tensor group or pipeline of 2 ranks reads one
-batch). Each run's
+the 2-D layouts 2 data ranks x 2 `--micro` (each tensor group, pipeline or context group of 2
+ranks reads one batch). Each run's
 throughput is the median `tokens_per_s` (global, every token counted once) of its logged steps
 after `--warmup` (metrics.jsonl); its memory is each rank's peak RSS (getrusage, written by the
 worker at the end of training). Runs alternate the `--layouts` for `--repeats` rounds. On CPU
@@ -13,6 +14,7 @@ save per-rank memory; the ratios, not the absolute figures, carry over between m
 
     .venv/bin/python bench/fsdp_vs_tp.py                      # llama, hidden 512 x 8 layers (~30M)
     .venv/bin/python bench/fsdp_vs_tp.py --hidden 128 --layers 2 --steps 6 --warmup 2 --seq 64   # smoke
+    .venv/bin/python bench/fsdp_vs_tp.py --layouts "fsdp,fsdp x cp" --seq 2048 --micro 1   # long sequences
 
 Under torchrun the same file is the worker (`--worker CONFIG`): `lmforge train`'s run_training
 with a callback that records the rank's peak RSS.
@@ -40,11 +42,15 @@ LAYOUTS: dict[str, dict[str, int]] = {
     "fsdp": {},
     "fsdp x tp": {"tensor_parallel": 2},
     "fsdp x pp": {"pipeline_parallel": 2, "pipeline_microbatches": 2},
+    "fsdp x cp": {"context_parallel": 2},
 }
 
 
 def write_config(out: Path, name: str, args: argparse.Namespace, *, degrees: dict[str, int]) -> Path:
-    data_ranks = PROCESSES // (degrees.get("tensor_parallel", 1) * degrees.get("pipeline_parallel", 1))
+    model_ranks = [
+        degrees.get(key, 1) for key in ("tensor_parallel", "pipeline_parallel", "context_parallel")
+    ]
+    data_ranks = PROCESSES // (model_ranks[0] * model_ranks[1] * model_ranks[2])
     config = {
         "run": {"name": name, "output_dir": str(out), "seed": 0, "overwrite": True},
         "model": {

@@ -22,18 +22,18 @@ def _llama(**fields: Any) -> Any:
     return AutoConfig.for_model("llama", **{**shape, **fields})
 
 
-def _refusal(settings: dict[str, Any], model: Any, world: int, *, on_gpu: bool = False, **kw: Any) -> str:
+def _refusal(settings: dict[str, Any], model: Any, world: int) -> str:
     with pytest.raises(UserInputError) as caught:
-        plan_layout(DistributedConfig(**settings), model, world, on_gpu=on_gpu, **kw)
+        plan_layout(DistributedConfig(**settings), model, world)
     return str(caught.value)
 
 
 def test_fsdp_with_tensor_parallel_is_a_two_dimensional_mesh() -> None:
-    layout = plan_layout(DistributedConfig(strategy="fsdp", tensor_parallel=2), _llama(), 4, on_gpu=False)
+    layout = plan_layout(DistributedConfig(strategy="fsdp", tensor_parallel=2), _llama(), 4)
     assert (layout.data, layout.tensor, layout.data_sharded) == (2, 2, True)
     assert layout.mesh_dims() == {"dp_shard": 2, "tp": 2}
     assert layout.describe() == "data_shard=2 x tensor=2"
-    pure = plan_layout(DistributedConfig(strategy="ddp", tensor_parallel=2), _llama(), 2, on_gpu=False)
+    pure = plan_layout(DistributedConfig(strategy="ddp", tensor_parallel=2), _llama(), 2)
     assert pure.mesh_dims() == {"dp_replicate": 1, "tp": 2} and pure.data == 1
 
 
@@ -84,7 +84,26 @@ def test_fsdp_with_tensor_parallel_is_a_two_dimensional_mesh() -> None:
             4,
             "pipeline_parallel: 2 with tensor_parallel: 2: pipeline stages compose with data sharding (FSDP2) only",
         ),
-        ({"context_parallel": 2}, _llama(), 2, "context_parallel needs CUDA GPUs"),
+        (
+            {"context_parallel": 2},
+            AutoConfig.for_model("mistral", hidden_size=256, num_attention_heads=4, sliding_window=64),
+            2,
+            "'mistral' has sliding_attention layers; ring attention runs full causal attention only",
+        ),
+        (
+            {"context_parallel": 2},
+            AutoConfig.for_model(
+                "gemma2", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2
+            ),
+            2,
+            "'gemma2' has sliding_attention layers",
+        ),
+        (
+            {"context_parallel": 2, "pipeline_parallel": 2},
+            _llama(),
+            4,
+            "pipeline_parallel: 2 with context_parallel: 2: pipeline stages compose with data sharding (FSDP2) only",
+        ),
         ({"expert_parallel": 2}, _llama(), 2, "'llama' is a dense model"),
     ],
 )
@@ -95,16 +114,24 @@ def test_impossible_layouts_are_refused_with_the_reason_and_the_fix(
 
 
 def test_pipeline_stages_sit_inside_the_data_dimension() -> None:
-    layout = plan_layout(DistributedConfig(strategy="fsdp", pipeline_parallel=2), _llama(), 4, on_gpu=False)
+    layout = plan_layout(DistributedConfig(strategy="fsdp", pipeline_parallel=2), _llama(), 4)
     assert (layout.data, layout.pipeline) == (2, 2)
     # Neighbouring ranks are one pipeline's stages: accelerate gives them one batch.
     assert layout.mesh_dims() == {"dp_shard": 2, "pp": 2}
     assert layout.describe() == "data_shard=2 x pipeline=2"
 
 
-def test_context_parallel_needs_a_sequence_that_splits_into_balanced_chunks() -> None:
-    message = _refusal({"context_parallel": 4}, _llama(), 4, on_gpu=True, max_length=1020)
-    assert "data.max_length 1020 must be a multiple of 2 x 4" in message
+def test_context_and_tensor_parallel_nest_inside_the_data_dimension() -> None:
+    layout = plan_layout(
+        DistributedConfig(strategy="fsdp", context_parallel=2, tensor_parallel=2), _llama(), 8
+    )
+    assert (layout.data, layout.context, layout.tensor) == (2, 2, 2)
+    # tensor innermost, then context: a context group's ranks are one tensor group apart
+    assert layout.mesh_dims() == {"dp_shard": 2, "cp": 2, "tp": 2}
+    assert layout.describe() == "data_shard=2 x context=2 x tensor=2"
+    # a full-attention Mistral (no window) runs: only windowed layers are refused
+    mistral = AutoConfig.for_model("mistral", hidden_size=256, num_attention_heads=4, sliding_window=None)
+    assert plan_layout(DistributedConfig(strategy="fsdp", context_parallel=2), mistral, 2).context == 2
 
 
 def test_expert_parallel_must_divide_the_experts() -> None:

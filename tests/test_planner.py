@@ -188,18 +188,21 @@ def test_strategy_auto_takes_tensor_parallelism_before_offloading() -> None:
     assert (
         estimate.recommended is not None and "offload" in estimate.recommended
     )  # data-parallel would offload
-    settings, reason = _model_parallel_choice(cfg, estimate, budget) or (None, "")
+    settings, reason = _model_parallel_choice(cfg, estimate, budget, 8) or (None, "")
     assert settings is not None and (settings.strategy, settings.tensor_parallel) == ("fsdp", 2)
     assert "fsdp x tp (data 4 x tensor 2)" in reason
     lora = cfg.model_copy(update={"train": cfg.train.model_copy(update={"method": "lora"})})
-    assert _model_parallel_choice(lora, estimate, budget) is None  # adapters cannot take TP
+    assert _model_parallel_choice(lora, estimate, budget, 8) is None  # adapters cannot take TP
 
 
 def test_strategy_auto_takes_pipeline_stages_where_tensor_parallelism_cannot_split_the_heads() -> None:
     from lmforge.distributed.strategy import _model_parallel_choice
 
     one_kv_head = {**LLAMA_7B, "num_key_value_heads": 1}  # no tensor degree but 1 divides one KV head
+    # Eager attention: context parallelism (next in the order, and it would fit) needs sdpa, so the
+    # choice falls through to the pipeline layout.
     cfg = _config(one_kv_head, gradient_checkpointing=False, micro_batch_size=2)
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"attn_implementation": "eager"})})
     plan = _layouts(cfg, gpus=8, mem=None)
     assert {r["tensor"] for r in plan["layouts"]} == {1}
     staged, data_only = (
@@ -209,10 +212,36 @@ def test_strategy_auto_takes_pipeline_stages_where_tensor_parallelism_cannot_spl
     assert staged["runnable"] and staged["total"] < data_only["total"]
     budget = int((staged["total"] + data_only["total"]) / 2 / 0.9)
     estimate = estimate_memory(cfg, gpus=8, gpu_mem_bytes=budget, nodes=1)
-    assert estimate.recommended is not None and "offload" in estimate.recommended
-    settings, reason = _model_parallel_choice(cfg, estimate, budget) or (None, "")
+    assert (
+        estimate.recommended is None or "offload" in estimate.recommended
+    )  # no data-parallel choice on-device
+    settings, reason = _model_parallel_choice(cfg, estimate, budget, 8) or (None, "")
     assert settings is not None and (settings.strategy, settings.pipeline_parallel) == ("fsdp", 2)
     assert "fsdp x pp (data 4 x pipeline 2)" in reason
     # A micro-batch the two stages cannot cut in two: the data-parallel choice (offload) stands.
     too_small = cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch_size": 1})})
-    assert _model_parallel_choice(too_small, estimate, budget) is None
+    assert _model_parallel_choice(too_small, estimate, budget, 8) is None
+
+
+def test_strategy_auto_takes_context_parallelism_for_long_sequences_before_pipeline_stages() -> None:
+    from lmforge.distributed.strategy import _model_parallel_choice
+
+    one_kv_head = {**LLAMA_7B, "num_key_value_heads": 1}  # tensor parallelism cannot split it
+    cfg = _config(one_kv_head, gradient_checkpointing=False, micro_batch_size=2, max_length=4096)
+    plan = _layouts(cfg, gpus=8, mem=None)
+    split, data_only = (
+        _row(plan, tensor=1, context=2, pipeline=1),
+        _row(plan, tensor=1, context=1, pipeline=1),
+    )
+    assert split["runnable"] and split["note"] == "fsdp x cp"
+    # Each rank holds half of every sequence: activations and logits halve.
+    assert split["activations"] == pytest.approx(data_only["activations"] / 2, rel=1e-6)
+    budget = int((split["total"] + data_only["total"]) / 2 / 0.9)
+    estimate = estimate_memory(cfg, gpus=8, gpu_mem_bytes=budget, nodes=1)
+    assert estimate.recommended is not None and "offload" in estimate.recommended
+    settings, reason = _model_parallel_choice(cfg, estimate, budget, 8) or (None, "")
+    assert settings is not None and (settings.strategy, settings.context_parallel) == ("fsdp", 2)
+    assert "fsdp x cp (data 4 x context 2)" in reason
+    # A stage context parallelism cannot split (a sequence's log-probabilities): no model parallelism.
+    dpo = cfg.model_copy(update={"train": cfg.train.model_copy(update={"stage": "dpo"})})
+    assert _model_parallel_choice(dpo, estimate, budget, 8) is None

@@ -33,6 +33,8 @@ class Coupling:
 _TRAINER = "transformers.trainer:Trainer"
 _STEP = "train/trainer.py"
 _RESHARD = "distributed/reshard.py"
+_CONTEXT = "distributed/context_parallel.py"
+_RING = "torch.distributed.tensor.experimental._context_parallel._attention"
 REGISTRY: tuple[Coupling, ...] = (
     Coupling(f"{_TRAINER}.training_step", "override", _STEP,
              "count real tokens, run drills and split a micro-batch after an OOM",
@@ -149,12 +151,43 @@ REGISTRY: tuple[Coupling, ...] = (
     Coupling(f"{_TRAINER}.prediction_step", "override", "distributed/pipeline_parallel.py",
              "a pipeline-parallel eval batch runs the schedule forward only",
              ("self", "model", "inputs", "prediction_loss_only", "ignore_keys")),
+    Coupling(f"{_TRAINER}._save_optimizer_and_scheduler", "override", "distributed/pipeline_parallel.py",
+             "a pipeline checkpoint: the stages' DCP model shards, the optimizer keyed by parameter name (each "
+             "stage holds other parameters), the scheduler once", ("self", "output_dir")),
     Coupling(f"{_TRAINER}._prepare_inputs", "private_call", "distributed/pipeline_parallel.py",
              "the pipeline step moves its batch to the device as the Trainer's own step does", ("self", "inputs")),
     Coupling("transformers.modeling_utils:PreTrainedModel.all_tied_weights_keys", "private_attribute",
              "distributed/pipeline_parallel.py",
              "emptied on pipeline stages without the head: transformers would re-tie a head that is not there",
              set_in="transformers.modeling_utils:PreTrainedModel.post_init"),
+    Coupling(f"{_TRAINER}.get_cp_size", "override", _CONTEXT,
+             "the context degree from lmforge's mesh (HF reads accelerate's ParallelismConfig, which accelerate "
+             "refuses on CPU): the Trainer divides its token count by it", ("self",)),
+    Coupling(f"{_TRAINER}._prepare_context_parallel_inputs", "override", _CONTEXT,
+             "torch's context_parallel over lmforge's mesh (HF enters it through accelerate's ParallelismConfig); "
+             "HF's training and eval steps wrap forward and backward in what it returns", ("self", "model", "inputs")),
+    Coupling(f"{_TRAINER}.prediction_step", "override", _CONTEXT,
+             "each rank scores its chunks of an eval batch: the context group's losses are averaged",
+             ("self", "model", "inputs", "prediction_loss_only", "ignore_keys")),
+    Coupling("accelerate.big_modeling:_attach_context_parallel_hooks", "private_call", _CONTEXT,
+             "accelerate's attention pre-hooks that drop the mask and set is_causal (what ring attention runs); "
+             "accelerate calls it from prepare() only under a ParallelismConfig", ("model",)),
+    Coupling(f"{_RING}:custom_ops", "private_attribute", _CONTEXT,
+             "torch's table of sharded attention kernels the ring handles (CUDA only): the CPU flash kernel is "
+             "added so gloo runs context parallelism"),
+    Coupling(f"{_RING}:_templated_ring_attention", "private_call", _CONTEXT,
+             "torch's ring attention forward, given the CPU flash kernel",
+             ("group", "seq_dim", "op", "query", "key", "value", "is_causal", "kwargs")),
+    Coupling(f"{_RING}:_templated_ring_attention_backward", "private_call", _CONTEXT,
+             "torch's ring attention backward, given the CPU flash kernel's backward",
+             ("group", "seq_dim", "op", "grad_out", "grad_out_name", "query", "key", "value", "out", "logsumexp",
+              "is_causal", "kwargs")),
+    Coupling("torch.distributed.tensor._dispatch:OpDispatcher.unwrap_to_op_info", "private_call", _CONTEXT,
+             "the local chunks and mesh of a sharded attention call, as torch's own ring handler reads them",
+             ("self", "op_call", "args", "kwargs")),
+    Coupling("torch.distributed.device_mesh:DeviceMesh._flatten", "private_call", "distributed/tensor_parallel.py",
+             "the data x context ranks as one mesh dimension for FSDP2 (torchtitan's dp_shard_cp)",
+             ("self", "mesh_dim_name", "backend_override")),
     Coupling("torch:load", "patch", "ckpt/safe_load.py",
              "forced weights_only=True while training: DeepSpeed loads its states with weights_only=False",
              ("f", "map_location", "pickle_module", "weights_only", "mmap", "pickle_load_args")),

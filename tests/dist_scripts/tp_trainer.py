@@ -1,12 +1,14 @@
-"""Train a tiny Llama with the HF Trainer under tensor parallelism (alone, or with FSDP2 on a 2-D
-mesh) on CPU (gloo), through lmforge's `shard_tensor_parallel` and `CpuFsdp`.
+"""Train a tiny Llama with the HF Trainer under tensor and / or context parallelism (alone, or with
+FSDP2 on the same mesh) on CPU (gloo), through lmforge's `shard_tensor_parallel`,
+`prepare_context_parallel`, `ContextParallel` and `CpuFsdp`.
 
 Run `python tests/dist_scripts/tp_trainer.py OUT 1` for the single-process reference, or
-`torchrun --nproc_per_node N --master_port P tests/dist_scripts/tp_trainer.py OUT TP [--resume]`
-(data_shard = N / TP). Every rank writes OUT/[resume_]rank{R}.json: the shape of its slice of
-every parameter after the Trainer prepared the model, the sample ids of each batch it read, the
-per-step train losses and the eval losses. A run saves a DCP checkpoint at step 2 under OUT/ck and
-the full model in OUT/final; --resume restarts from OUT/ck/checkpoint-2.
+`torchrun --nproc_per_node N --master_port P tests/dist_scripts/tp_trainer.py OUT TP [--context CP]
+[--resume]` (data_shard = N / (TP x CP)). Every rank writes OUT/[resume_]rank{R}.json: the shape of
+its slice of every parameter after the Trainer prepared the model, the sample ids of each batch it
+read, the sequence lengths its first attention layer saw in training, the per-step train losses
+and grad norms and the eval losses. A run saves a DCP checkpoint at step 2 under OUT/ck and the
+full model in OUT/final; --resume restarts from OUT/ck/checkpoint-2.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
+from lmforge.distributed.context_parallel import ContextParallel, prepare_context_parallel
 from lmforge.distributed.fsdp import CpuFsdp, fsdp_training_arguments
 from lmforge.distributed.layout import Layout
 from lmforge.distributed.tensor_parallel import local_shapes, shard_tensor_parallel
@@ -59,7 +62,7 @@ class Batches:
         return {key: torch.stack([r[key] for r in rows]) for key in ("input_ids", "labels")}
 
 
-class TpTrainer(CpuFsdp, Trainer):
+class TpTrainer(CpuFsdp, ContextParallel, Trainer):
     pass
 
 
@@ -67,6 +70,7 @@ class Record(TrainerCallback):
     def __init__(self) -> None:
         self.shapes: dict[str, Any] | None = None
         self.losses: dict[str, float] = {}
+        self.grad_norms: dict[str, float] = {}
         self.eval_losses: dict[str, float] = {}
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
@@ -76,11 +80,23 @@ class Record(TrainerCallback):
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         if logs and "loss" in logs:
             self.losses[str(state.global_step)] = float(logs["loss"])
+            self.grad_norms[str(state.global_step)] = float(logs["grad_norm"])
         if logs and "eval_loss" in logs:
             self.eval_losses[str(state.global_step)] = float(logs["eval_loss"])
 
 
-def main(out: Path, tensor: int, resume: bool) -> None:
+def seen_lengths(model: torch.nn.Module) -> dict[str, list[int]]:
+    """The sequence lengths the first attention layer receives in training and in evaluation."""
+    seen: dict[str, list[int]] = {"train": [], "eval": []}
+
+    def note(module: Any, args: Any, kwargs: Any) -> None:
+        seen["train" if module.training else "eval"].append(int(kwargs["hidden_states"].shape[1]))
+
+    model.model.layers[0].self_attn.register_forward_pre_hook(note, with_kwargs=True)
+    return seen
+
+
+def main(out: Path, tensor: int, context: int, resume: bool) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -94,16 +110,24 @@ def main(out: Path, tensor: int, resume: bool) -> None:
         tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config)
+    lengths = seen_lengths(model)
     engine: dict[str, Any] = {}
-    if tensor > 1:
-        layout = Layout(world_size=world, data=world // tensor, data_sharded=True, tensor=tensor)
+    if tensor * context > 1:
+        layout = Layout(
+            world_size=world,
+            data=world // (tensor * context),
+            data_sharded=True,
+            tensor=tensor,
+            context=context,
+        )
         shard_tensor_parallel(model, layout, on_gpu=False)
+        prepare_context_parallel(model, layout, on_gpu=False)
         engine = fsdp_training_arguments(model, wrap_layers=False)
     batches, record = Batches(), Record()
     args = TrainingArguments(
         output_dir=str(out / "ck"),
         use_cpu=True,
-        per_device_train_batch_size=GLOBAL_BATCH * tensor // world,
+        per_device_train_batch_size=GLOBAL_BATCH * tensor * context // world,
         # One row per eval batch: eval_loss is then the mean over rows whatever the sharding.
         per_device_eval_batch_size=1,
         max_steps=STEPS,
@@ -142,7 +166,9 @@ def main(out: Path, tensor: int, resume: bool) -> None:
         "shapes": record.shapes,
         "batches": batches.read,
         "losses": record.losses,
+        "grad_norms": record.grad_norms,
         "eval_losses": record.eval_losses,
+        "lengths": lengths,
     }
     (out / f"{'resume_' if resume else ''}rank{rank}.json").write_text(json.dumps(result, indent=1))
     if dist.is_initialized():  # leave together and tear gloo down explicitly
@@ -151,4 +177,6 @@ def main(out: Path, tensor: int, resume: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), resume="--resume" in sys.argv[3:])
+    flags = sys.argv[3:]
+    degree = int(flags[flags.index("--context") + 1]) if "--context" in flags else 1
+    main(Path(sys.argv[1]), int(sys.argv[2]), degree, resume="--resume" in flags)

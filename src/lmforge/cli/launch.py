@@ -185,9 +185,7 @@ def _mesh_note(cfg: LmforgeConfig, request: LaunchRequest) -> str | None:
     low, high = request.node_range
     if low != high:  # an elastic range: the world size is known only when the workers meet
         return None
-    import torch
-
-    return launch_mesh_note(cfg, int(request.nproc_per_node) * low, on_gpu=torch.cuda.is_available())
+    return launch_mesh_note(cfg, int(request.nproc_per_node) * low)
 
 
 def _train_with_oom_ladder(

@@ -44,9 +44,10 @@ class Layout:
 
     @property
     def on_lmforge_mesh(self) -> bool:
-        """Tensor, pipeline or expert parallelism: lmforge builds the mesh and wraps the model on it
-        (distributed/tensor_parallel.py, pipeline_parallel.py, expert_parallel.py), not accelerate."""
-        return self.tensor > 1 or self.pipeline > 1 or self.expert > 1
+        """Tensor, context, pipeline or expert parallelism: lmforge builds the mesh and wraps the model
+        on it (distributed/tensor_parallel.py, context_parallel.py, pipeline_parallel.py,
+        expert_parallel.py), not accelerate."""
+        return self.tensor > 1 or self.context > 1 or self.pipeline > 1 or self.expert > 1
 
     def mesh_dims(self) -> dict[str, int]:
         """Mesh dimension name -> size, outermost first, dimensions of size 1 left out (the data
@@ -90,21 +91,14 @@ def expert_count(hf_config: Any) -> int | None:
     return None
 
 
-def plan_layout(
-    settings: DistributedConfig,
-    hf_config: Any,
-    world_size: int,
-    *,
-    on_gpu: bool,
-    max_length: int | None = None,
-) -> Layout:
+def plan_layout(settings: DistributedConfig, hf_config: Any, world_size: int) -> Layout:
     """The mesh of this run, or a UserInputError listing every reason it cannot run."""
     text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     problems = [
         *_world_problems(settings, world_size),
         *_tensor_problems(settings, text_config),
         *_pipeline_problems(settings, text_config),
-        *_context_problems(settings, max_length, on_gpu=on_gpu),
+        *_context_problems(settings, text_config),
         *_expert_problems(settings, text_config, world_size),
     ]
     if problems:
@@ -211,26 +205,27 @@ def _pipeline_problems(settings: DistributedConfig, config: Any) -> list[str]:
     return problems
 
 
-def _context_problems(settings: DistributedConfig, max_length: int | None, *, on_gpu: bool) -> list[str]:
+def _context_problems(settings: DistributedConfig, config: Any) -> list[str]:
     cp = settings.context_parallel
     if cp == 1:
         return []
-    problems = []
-    if max_length is not None and max_length % (2 * cp):
-        problems.append(
-            f"context_parallel: {cp}: data.max_length {max_length} must be a multiple of 2 x {cp} (ring attention "
-            "gives each rank two balanced chunks); pad data.max_length up"
-        )
-    if not on_gpu:
-        problems.append(
-            "context_parallel needs CUDA GPUs: torch's ring attention (torch.distributed.tensor.experimental."
-            "context_parallel) runs on the CUDA sdpa kernels; on CPU set context_parallel: 1"
-        )
-    else:
-        problems.append(
-            "context_parallel: the training step does not shard sequences yet; set context_parallel: 1"
-        )
-    return problems
+    # Ring attention runs plain causal attention over the whole sequence: a layer that looks at a
+    # window only would silently be trained with full attention (accelerate refuses it too).
+    layer_types = getattr(config, "layer_types", None) or []
+    windowed = sorted({kind for kind in layer_types if kind != "full_attention"})
+    if (
+        not layer_types
+        and getattr(config, "sliding_window", None)
+        and getattr(config, "use_sliding_window", True)
+    ):
+        windowed = ["sliding_attention"]
+    if windowed:
+        return [
+            f"context_parallel: {cp}: {getattr(config, 'model_type', '?')!r} has {', '.join(windowed)} layers; ring "
+            "attention runs full causal attention only, so those layers would train with the wrong mask; use a "
+            "full-attention model (or set its sliding_window: null), or set context_parallel: 1"
+        ]
+    return []
 
 
 def _expert_problems(settings: DistributedConfig, config: Any, world_size: int) -> list[str]:
@@ -272,7 +267,7 @@ def _expert_problems(settings: DistributedConfig, config: Any, world_size: int) 
     return problems
 
 
-def launch_mesh_note(cfg: LmforgeConfig, world_size: int, *, on_gpu: bool) -> str | None:
+def launch_mesh_note(cfg: LmforgeConfig, world_size: int) -> str | None:
     """`lmforge launch`'s line on the mesh (None for data parallelism alone), after the same checks the
     workers make, so an impossible layout stops before any process starts."""
     settings = cfg.distributed
@@ -281,5 +276,5 @@ def launch_mesh_note(cfg: LmforgeConfig, world_size: int, *, on_gpu: bool) -> st
     from lmforge.models.build import architecture_config
 
     hf_config = architecture_config(cfg.model)
-    layout = plan_layout(settings, hf_config, world_size, on_gpu=on_gpu, max_length=cfg.data.max_length)
+    layout = plan_layout(settings, hf_config, world_size)
     return f"device mesh: {layout.describe()} ({world_size} processes)"

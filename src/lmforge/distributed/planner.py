@@ -209,13 +209,15 @@ def _runs_here(shape: ModelShape, tensor: int, context: int, pipeline: int, expe
     """Whether lmforge's training step runs this layout (distributed/layout.py refuses the rest)."""
     if pipeline > 1 and shape.model_type and shape.model_type not in STAGEABLE_FAMILIES:
         return False, f"pipeline stages are cut for {', '.join(sorted(STAGEABLE_FAMILIES))} only"
-    if context > 1:
-        return False, "context parallelism not in the training step yet"
-    if pipeline > 1 and (tensor > 1 or expert > 1):
+    if pipeline > 1 and (tensor > 1 or context > 1 or expert > 1):
         return False, "pipeline stages compose with data sharding only"
-    if expert > 1 and tensor > 1:
+    if expert > 1 and (tensor > 1 or context > 1):
         return False, "expert parallelism composes with data sharding only"
-    kinds = [name for name, degree in (("tp", tensor), ("pp", pipeline), ("ep", expert)) if degree > 1]
+    kinds = [
+        name
+        for name, degree in (("cp", context), ("tp", tensor), ("pp", pipeline), ("ep", expert))
+        if degree > 1
+    ]
     return True, " x ".join(["fsdp", *kinds])
 
 

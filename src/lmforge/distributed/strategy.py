@@ -98,15 +98,22 @@ class Plan:
         return {"none": "single process", "ddp": "ddp", "fsdp": "fsdp (FSDP2 full shard)"}[self.engine]
 
     def _describe_mesh(self) -> str:
-        """'fsdp x tp (2-D mesh data_shard=2 x tensor=2)', 'pp (2-D mesh pipeline=2 x data_shard=1)';
-        tensor or pipeline parallel alone runs on the same mesh with one data shard
-        (distributed/tensor_parallel.py, pipeline_parallel.py)."""
+        """'fsdp x tp (2-D mesh data_shard=2 x tensor=2)', 'cp x tp (3-D mesh data_shard=1 x context=2 x
+        tensor=2)'; tensor, context or pipeline parallel alone runs on the same mesh with one data
+        shard (distributed/tensor_parallel.py, context_parallel.py, pipeline_parallel.py)."""
         offload = ", CPU offload" if self.settings.offload != "none" else ""
-        if self.layout.tensor == self.layout.pipeline == 1:  # experts over the data ranks: no new dimension
-            return f"fsdp x ep ({self.layout.describe()}{offload})"
-        model = "tp" if self.layout.tensor > 1 else "pp"
-        kind = f"fsdp x {model}" if self.layout.data > 1 else model
-        return f"{kind} (2-D mesh {self.layout.describe()}{offload})"
+        layout = self.layout
+        if (
+            layout.tensor == layout.context == layout.pipeline == 1
+        ):  # experts over the data ranks: no new dimension
+            return f"fsdp x ep ({layout.describe()}{offload})"
+        models = [
+            name
+            for name, d in (("pp", layout.pipeline), ("cp", layout.context), ("tp", layout.tensor))
+            if d > 1
+        ]
+        kind = " x ".join(["fsdp", *models] if layout.data > 1 else models)
+        return f"{kind} ({len(layout.mesh_dims())}-D mesh {layout.describe()}{offload})"
 
     def describe(self) -> str:
         return f"{self.describe_engine()} on {self.world.size} process(es): {self.reason}"
@@ -119,9 +126,11 @@ def plan_for(cfg: LmforgeConfig, *, precision: str, on_gpu: bool, world: World |
     settings, reason = _chosen_settings(cfg, world, on_gpu=on_gpu)
     reason = launcher_reason or reason
     engine: Engine = "deepspeed" if settings.deepspeed_config is not None else settings.strategy  # type: ignore[assignment]
-    layout = _layout(cfg, settings, world, on_gpu=on_gpu)
+    layout = _layout(cfg, settings, world)
     if layout.tensor > 1:
         _check_tensor_parallel(cfg, settings, engine)
+    if layout.context > 1:
+        _check_context_parallel(cfg, settings, engine)
     if layout.pipeline > 1:
         _check_pipeline_parallel(cfg, settings, engine)
     if layout.expert > 1:
@@ -150,7 +159,7 @@ def plan_for(cfg: LmforgeConfig, *, precision: str, on_gpu: bool, world: World |
     )
 
 
-def _layout(cfg: LmforgeConfig, settings: DistributedConfig, world: World, *, on_gpu: bool) -> Layout:
+def _layout(cfg: LmforgeConfig, settings: DistributedConfig, world: World) -> Layout:
     """The run's mesh, refused here when the model or the world cannot hold it. The architecture is
     read only when a model-parallel degree asks for it (heads, layers, experts, the tp_plan)."""
     hf_config = None
@@ -158,7 +167,7 @@ def _layout(cfg: LmforgeConfig, settings: DistributedConfig, world: World, *, on
         from lmforge.models.build import architecture_config  # transformers: only when it is needed
 
         hf_config = architecture_config(cfg.model)
-    layout = plan_layout(settings, hf_config, world.size, on_gpu=on_gpu, max_length=cfg.data.max_length)
+    layout = plan_layout(settings, hf_config, world.size)
     if layout.sequence_parallel and not _has_sequence_parallel_plan(hf_config):
         log.info(
             "distributed.sequence_parallel: %s's tp_plan shards nothing along the sequence; its norms and "
@@ -196,6 +205,50 @@ def _check_tensor_parallel(cfg: LmforgeConfig, settings: DistributedConfig, engi
         )
     if problems:
         raise UserInputError("distributed.tensor_parallel cannot run this:\n  - " + "\n  - ".join(problems))
+
+
+def _check_context_parallel(cfg: LmforgeConfig, settings: DistributedConfig, engine: str) -> None:
+    """What context parallelism (distributed/context_parallel.py) cannot run, all reasons at once.
+    Adapters are refused with strategy fsdp by config/cross_checks.py; sliding-window layers by
+    distributed/layout.py, which reads the architecture."""
+    degree, train, data = settings.context_parallel, cfg.train, cfg.data
+    key = f"context_parallel: {degree}"
+    problems = []
+    if engine != "fsdp":
+        problems.append(
+            f"distributed.strategy: {settings.strategy} with {key}: the context ranks of a sequence hold different "
+            "tokens and their gradients are summed by FSDP2 over the (data x context) mesh; set "
+            "distributed.strategy: fsdp (with context_parallel equal to the number of processes FSDP2 shards "
+            "the weights over the context ranks alone)"
+        )
+    if train.stage not in ("pretrain", "sft"):
+        problems.append(
+            f"train.stage: {train.stage} with {key}: the split sequences carry a token-level language-model loss "
+            "(pretrain, sft); a preference or RL loss sums each sequence's log-probabilities, which no rank holds "
+            "whole; set distributed.context_parallel: 1"
+        )
+    if cfg.model.attn_implementation != "sdpa":
+        problems.append(
+            f"model.attn_implementation: {cfg.model.attn_implementation} with {key}: ring attention replaces "
+            "torch's scaled_dot_product_attention; set model.attn_implementation: sdpa"
+        )
+    for setting, on in (("data.packing: true", data.packing), ("data.padding_free: true", data.padding_free)):
+        if on:
+            problems.append(
+                f"{setting} with {key}: ring attention runs one causal mask over the whole row, so packed samples "
+                "would attend to each other; turn it off (each sample its own row) or set context_parallel: 1"
+            )
+    untested = {
+        "train.kernels: liger": train.kernels == "liger",
+    }
+    for setting, on in untested.items():
+        if on:
+            problems.append(
+                f"{setting} with {key}: not measured with torch's ring attention, which swaps the attention "
+                "function while each step runs; turn it off, or set context_parallel: 1"
+            )
+    if problems:
+        raise UserInputError("distributed.context_parallel cannot run this:\n  - " + "\n  - ".join(problems))
 
 
 def _check_expert_parallel(cfg: LmforgeConfig, settings: DistributedConfig, engine: str) -> None:
@@ -296,7 +349,7 @@ def _chosen_settings(cfg: LmforgeConfig, world: World, *, on_gpu: bool) -> tuple
         return settings, "as configured"
     if settings.model_parallel_degree * settings.expert_parallel > 1:
         return settings.model_copy(update={"strategy": "fsdp"}), (
-            "auto: tensor, pipeline and expert parallelism run on FSDP2's device mesh"
+            "auto: tensor, context, pipeline and expert parallelism run on FSDP2's device mesh"
         )
     if world.size == 1:
         return settings.model_copy(update={"strategy": "none"}), "auto: one process"
@@ -306,7 +359,7 @@ def _chosen_settings(cfg: LmforgeConfig, world: World, *, on_gpu: bool) -> tuple
     estimate = estimate_memory(cfg, gpus=world.local_size, gpu_mem_bytes=device_bytes, nodes=world.nodes)
     if estimate.recommended is None or "offload" in estimate.recommended:
         # Model parallelism keeps everything on the devices; offloading moves states over PCIe.
-        model_parallel = _model_parallel_choice(cfg, estimate, device_bytes)
+        model_parallel = _model_parallel_choice(cfg, estimate, device_bytes, world.size)
         if model_parallel is not None:
             return model_parallel
     if estimate.recommended is None:
@@ -325,43 +378,61 @@ def _chosen_settings(cfg: LmforgeConfig, world: World, *, on_gpu: bool) -> tuple
 
 
 def _model_parallel_choice(
-    cfg: LmforgeConfig, estimate: Any, device_bytes: int
+    cfg: LmforgeConfig, estimate: Any, device_bytes: int, world_size: int
 ) -> tuple[DistributedConfig, str] | None:
-    """FSDP2 x TP, x pipeline or x experts from the layout planner, when no data-parallel strategy
-    fits without offload and this run passes the same checks a configured layout would (full
-    fine-tuning; no reference model under TP; pipeline stages for pretrain and sft)."""
+    """FSDP2 x TP, x context, x pipeline or x experts from the layout planner, when no data-parallel
+    strategy fits without offload: the first fitting layout, in the planner's order, that this run
+    passes the same checks for as a configured layout (full fine-tuning; no reference model under TP;
+    context and pipeline parallelism for pretrain and sft; sdpa for the ring; the architecture's heads,
+    layers and attention windows)."""
     if cfg.train.method != "full" or cfg.train.stage in ("dpo", "kto", "grpo", "rloo"):
         return None
     from lmforge.distributed.planner import plan_layouts_for
+    from lmforge.models.build import architecture_config
 
-    best = plan_layouts_for(cfg, estimate).recommended
-    if best is None or best.tensor == best.pipeline == best.expert == 1:
-        return None
-    degrees = {
-        "tensor_parallel": best.tensor,
-        "pipeline_parallel": best.pipeline,
-        "expert_parallel": best.expert,
-    }
-    chosen = cfg.distributed.model_copy(update={"strategy": "fsdp", **degrees})
-    checks = ((best.tensor, _check_tensor_parallel), (best.pipeline, _check_pipeline_parallel),
-              (best.expert, _check_expert_parallel))  # fmt: skip
+    plan = plan_layouts_for(cfg, estimate)
+    hf_config = architecture_config(cfg.model)
+    for row in plan.layouts:
+        if not (row.fits and row.runnable) or row.tensor == row.context == row.pipeline == row.expert == 1:
+            continue
+        chosen = _layout_settings(cfg, hf_config, row, world_size)
+        if chosen is not None:
+            mesh = " x ".join(
+                [f"data {row.data}"]
+                + [f"{name} {d}" for name, d in (("tensor", row.tensor), ("context", row.context),
+                                                  ("pipeline", row.pipeline), ("expert", row.expert)) if d > 1]
+            )  # fmt: skip
+            reason = (
+                f"auto: no data-parallel strategy fits without offload; {row.note} ({mesh}) does "
+                f"({row.total / 2**30:.2f} of {device_bytes / 2**30:.1f} GiB per device, `lmforge estimate`)"
+            )
+            return chosen, reason
+    return None  # no layout this run can take fits: the data-parallel choice stands
+
+
+def _layout_settings(
+    cfg: LmforgeConfig, hf_config: Any, row: Any, world_size: int
+) -> DistributedConfig | None:
+    """The distributed settings of a planner layout, or None when this run cannot take it."""
+    chosen = cfg.distributed.model_copy(
+        update={
+            "strategy": "fsdp",
+            "tensor_parallel": row.tensor,
+            "context_parallel": row.context,
+            "pipeline_parallel": row.pipeline,
+            "expert_parallel": row.expert,
+        }
+    )
+    checks = ((row.tensor, _check_tensor_parallel), (row.context, _check_context_parallel),
+              (row.pipeline, _check_pipeline_parallel), (row.expert, _check_expert_parallel))  # fmt: skip
     try:
         for degree, check in checks:
             if degree > 1:
                 check(cfg, chosen, "fsdp")
+        plan_layout(chosen, hf_config, world_size)
     except UserInputError:
-        return None  # this run cannot take that layout: the data-parallel choice stands
-    mesh = " x ".join(
-        [
-            f"data {best.data}",
-            *(f"{key.removesuffix('_parallel')} {d}" for key, d in degrees.items() if d > 1),
-        ]
-    )
-    reason = (
-        f"auto: no data-parallel strategy fits without offload; {best.note} ({mesh}) does "
-        f"({best.total / 2**30:.2f} of {device_bytes / 2**30:.1f} GiB per device, `lmforge estimate`)"
-    )
-    return chosen, reason
+        return None
+    return chosen
 
 
 def _device_memory(world: World, *, on_gpu: bool) -> int:

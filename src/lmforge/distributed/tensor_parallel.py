@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "build_mesh",
-    "gather_once_per_tensor_group",
+    "gather_once_per_batch_group",
     "local_shapes",
     "shard_data_over_mesh",
     "shard_tensor_parallel",
@@ -55,22 +55,40 @@ __all__ = [
 
 # The model attribute that carries the mesh from model building to the Trainer's Accelerator.
 MESH_ATTRIBUTE = "lmforge_device_mesh"
-DATA_DIM, TENSOR_DIM = "dp_shard", "tp"
+DATA_DIM, CONTEXT_DIM, TENSOR_DIM = "dp_shard", "cp", "tp"
+# FSDP2's dimension under context parallelism: the data and context ranks flattened (torchtitan's
+# name), since the context ranks of one sequence hold different tokens and sum their gradients.
+SHARD_DIM = "dp_shard_cp"
 
 
 def build_mesh(layout: Layout, *, on_gpu: bool) -> Any:
-    """The (dp_shard, tp) device mesh, tensor innermost: a tensor group is neighbouring ranks.
+    """The (dp_shard[, cp], tp) device mesh, tensor innermost: a tensor group is neighbouring ranks,
+    then a context group (its ring passes key/value blocks every layer).
 
-    The dimension names are accelerate's: its data loader reads `dp_shard` and `tp` off the mesh
-    to give the ranks of a tensor group the same batch."""
+    The dimension names are accelerate's: its data loader reads `dp_shard`, `cp` and `tp` off the
+    mesh to give the ranks of a tensor or context group the same batch."""
     from torch.distributed.device_mesh import init_device_mesh
 
     ensure_process_group()
-    return init_device_mesh(
-        "cuda" if on_gpu else "cpu",
-        (layout.data, layout.tensor),
-        mesh_dim_names=(DATA_DIM, TENSOR_DIM),
-    )
+    dims = {DATA_DIM: layout.data, CONTEXT_DIM: layout.context, TENSOR_DIM: layout.tensor}
+    if layout.context == 1:
+        del dims[CONTEXT_DIM]
+    return init_device_mesh("cuda" if on_gpu else "cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
+
+
+def _data_shard_mesh(mesh: Any) -> Any:
+    """The mesh FSDP2 shards the weights over: the data dimension, with the context ranks flattened
+    into it (once: torch wants the flattened mesh kept, not sliced from the root again)."""
+    if CONTEXT_DIM not in (mesh.mesh_dim_names or ()):
+        return mesh[DATA_DIM]
+    return mesh[DATA_DIM, CONTEXT_DIM]._flatten(SHARD_DIM)
+
+
+def _batch_replicas(mesh: Any) -> int:
+    """Ranks of the mesh that read one batch (a tensor x context group): the data loader gives them
+    the same rows, and tokens and eval rows count once per group."""
+    names = mesh.mesh_dim_names or ()
+    return mesh[TENSOR_DIM].size() * (mesh[CONTEXT_DIM].size() if CONTEXT_DIM in names else 1)
 
 
 def tensor_parallel_plan(model: PreTrainedModel, degree: int) -> dict[str, str]:
@@ -111,10 +129,12 @@ def shard_data_over_mesh(trainer: Any, layer_classes: list[str]) -> bool:
     Called once the Trainer's Accelerator exists (its FSDP plugin holds the mixed precision,
     offload and resharding settings, as accelerate would pass them to `fully_shard`). Decoder
     layers (`layer_classes`) are the FSDP units, then the root (embeddings, final norm and head,
-    tied or not, in one group). The Accelerator gets the mesh for its data loader; the model its
+    tied or not, in one group). Under context parallelism the data dimension is `dp_shard_cp`, the
+    data and context ranks together. The Accelerator gets the mesh for its data loader; the model its
     tensor degree, by which the Trainer divides its token count and loss scale
-    (`Trainer.get_tp_size`: the ranks of a tensor group share one batch); and the Accelerator an
-    eval gather that counts each batch once (`gather_once_per_tensor_group`)."""
+    (`Trainer.get_tp_size`: the ranks of a tensor group share one batch; `get_cp_size` does the same
+    for a context group, distributed/context_parallel.py); and the Accelerator an eval gather that
+    counts each batch once (`gather_once_per_batch_group`)."""
     model, accelerator = trainer.model, trainer.accelerator
     mesh = getattr(model, MESH_ATTRIBUTE, None)
     if mesh is None:
@@ -122,11 +142,12 @@ def shard_data_over_mesh(trainer: Any, layer_classes: list[str]) -> bool:
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     plugin = accelerator.state.fsdp_plugin
+    shards = _data_shard_mesh(mesh)
     settings: dict[str, Any] = {
-        "mesh": mesh[DATA_DIM],
+        "mesh": shards,
         "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
         "offload_policy": plugin.cpu_offload or OffloadPolicy(),
-        "shard_placement_fn": no_empty_shards(mesh[DATA_DIM].size()),
+        "shard_placement_fn": no_empty_shards(shards.size()),
     }
     for module in model.modules():
         if type(module).__name__ in layer_classes:
@@ -136,7 +157,7 @@ def shard_data_over_mesh(trainer: Any, layer_classes: list[str]) -> bool:
     model._tp_size = mesh[TENSOR_DIM].size()
     # On the Accelerator too: evaluation resets the Trainer's `gather_function` to
     # `accelerator.gather_for_metrics` after every loop.
-    gather = gather_once_per_tensor_group(accelerator, mesh[TENSOR_DIM].size())
+    gather = gather_once_per_batch_group(accelerator, _batch_replicas(mesh))
     accelerator.gather_for_metrics = trainer.gather_function = gather
     return True
 
@@ -160,24 +181,26 @@ def no_empty_shards(ranks: int) -> Any:
     return place
 
 
-def gather_once_per_tensor_group(accelerator: Any, tensor: int) -> Any:
-    """`Accelerator.gather_for_metrics` for a mesh whose tensor groups read one batch.
+def gather_once_per_batch_group(accelerator: Any, replicas: int) -> Any:
+    """`Accelerator.gather_for_metrics` for a mesh whose tensor (x context) groups read one batch.
 
     accelerate gathers from every rank, then cuts the last batch to the dataset's remainder as if
     each rank had read its own samples; under tensor parallelism every batch would be counted
-    `tensor` times and the cut would keep copies instead of samples (eval_loss measured 1e-3 off
-    the single process). So gather, keep the rows of the first rank of each tensor group (rank
-    order is data-major, tensor-minor), then cut as accelerate does."""
+    `replicas` times and the cut would keep copies instead of samples (eval_loss measured 1e-3 off
+    the single process). So gather, keep the rows of the first rank of each group (rank order is
+    data-major, then context, tensor innermost), then cut as accelerate does."""
     from accelerate.utils import recursively_apply
 
     def first_of_each_group(gathered: torch.Tensor) -> torch.Tensor:
         world = accelerator.num_processes
-        rows = gathered.reshape(world, -1, *gathered.shape[1:])[::tensor]
+        rows = gathered.reshape(world, -1, *gathered.shape[1:])[::replicas]
         return rows.reshape(-1, *gathered.shape[1:])
 
     def gather(input_data: Any, use_gather_object: bool = False) -> Any:
         if use_gather_object:
-            raise NotImplementedError("eval gathers Python objects: not supported under tensor parallelism")
+            raise NotImplementedError(
+                "eval gathers Python objects: not supported under tensor or context parallelism"
+            )
         kept = recursively_apply(first_of_each_group, accelerator.gather(input_data))
         state = accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:

@@ -266,11 +266,12 @@ def build_train_step(
 
 def attach_train_step(trainer: Any, step: TrainStep) -> None:
     """Give the trainer its step; rank, world size, global batch and clipping come from its arguments.
-    The ranks of a tensor-parallel group read one batch (`get_tp_size`): it counts once."""
+    The ranks of a tensor-parallel or context-parallel group read one batch (`get_tp_size`,
+    `get_cp_size`): it counts once."""
     args = trainer.args
     step.rank = step.drills.rank = args.process_index
     step.world_size = args.world_size
-    step.batch_replicas = trainer.get_tp_size()
+    step.batch_replicas = trainer.get_tp_size() * trainer.get_cp_size()
     data_ranks = args.world_size // step.batch_replicas
     step.global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_ranks
     step.max_grad_norm = args.max_grad_norm or 0.0

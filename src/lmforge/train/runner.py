@@ -23,6 +23,7 @@ from lmforge.ckpt.export import ExportOutcome, run_export
 from lmforge.ckpt.safe_load import no_code_from_checkpoints
 from lmforge.config import LmforgeConfig, dump_config
 from lmforge.config.schema import MonitorConfig
+from lmforge.distributed.context_parallel import prepare_context_parallel
 from lmforge.distributed.expert_parallel import shard_experts
 from lmforge.distributed.pipeline_parallel import split_into_stages, whole_parameter_count
 from lmforge.distributed.strategy import Plan, plan_for
@@ -144,8 +145,10 @@ def _train_run(
     parameters = count_parameters(model)
     log.info("model: %s, %.2fM parameters", model.config.model_type, parameters / 1e6)
     # Before anything reads the parameters: each rank keeps its slice, its experts or its pipeline
-    # stage (no-ops without tensor_parallel / expert_parallel / pipeline_parallel).
+    # stage, and its attention turns causal-only for the ring (no-ops without tensor_parallel /
+    # context_parallel / expert_parallel / pipeline_parallel).
     shard_tensor_parallel(model, plan.layout, on_gpu=torch.cuda.is_available())
+    prepare_context_parallel(model, plan.layout, on_gpu=torch.cuda.is_available())
     shard_experts(model, plan.layout, on_gpu=torch.cuda.is_available())
     split_into_stages(
         model,

@@ -63,7 +63,7 @@ class TrainStep:
     drills: Drills = field(default_factory=Drills)
     rank: int = 0
     world_size: int = 1
-    batch_replicas: int = 1  # ranks that read one batch (a tensor-parallel group): counted once
+    batch_replicas: int = 1  # ranks that read one batch (a tensor x context group): counted once
     oom_backoff: bool = True
     global_batch: int = 0
     max_grad_norm: float = 0.0

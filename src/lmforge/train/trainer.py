@@ -13,6 +13,7 @@ import torch
 from transformers import Trainer
 
 from lmforge.config.schema import TrainConfig
+from lmforge.distributed.context_parallel import ContextParallel
 from lmforge.distributed.fsdp import CpuFsdp
 from lmforge.distributed.pipeline_parallel import PipelineStages
 from lmforge.distributed.reshard import ReshardResume
@@ -167,16 +168,18 @@ class StepHooks:
         return total
 
 
-class LmforgeTrainer(CpuFsdp, ReshardResume, StepHooks, PipelineStages, Trainer):  # type: ignore[misc]
+class LmforgeTrainer(CpuFsdp, ReshardResume, StepHooks, PipelineStages, ContextParallel, Trainer):  # type: ignore[misc]
     """HF Trainer with lmforge's step (pretrain and sft), real FSDP2 on CPU too, pipeline stages,
-    and resumes of checkpoints another world size wrote. PipelineStages sits under StepHooks:
-    lmforge's step (token counts, drills, the OOM back-off) wraps the pipeline schedule."""
+    context parallelism, and resumes of checkpoints another world size wrote. PipelineStages and
+    ContextParallel sit under StepHooks: lmforge's step (token counts, drills, the OOM back-off)
+    wraps the pipeline schedule and the sequence split."""
 
 
 def with_lmforge_step(trainer_class: type[Trainer]) -> type[Trainer]:
-    """`trainer_class` (a TRL trainer) with CpuFsdp, ReshardResume, StepHooks and PipelineStages
-    mixed in (TRL's SFTTrainer can run pipeline stages; the other stages are refused at load)."""
-    mixins = (CpuFsdp, ReshardResume, StepHooks, PipelineStages)
+    """`trainer_class` (a TRL trainer) with CpuFsdp, ReshardResume, StepHooks, PipelineStages and
+    ContextParallel mixed in (TRL's SFTTrainer can run pipeline and context parallelism; the other
+    stages are refused at load)."""
+    mixins = (CpuFsdp, ReshardResume, StepHooks, PipelineStages, ContextParallel)
     return type(f"Lmforge{trainer_class.__name__}", (*mixins, trainer_class), {})
 
 
