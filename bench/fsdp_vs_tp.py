@@ -5,7 +5,9 @@ same global batch, side by side in one invocation.
 
 Same model, data, seed and global batch: FSDP2 alone runs 4 data ranks x `--micro` sequences,
 the 2-D layouts 2 data ranks x 2 `--micro` (each tensor group, pipeline or context group of 2
-ranks reads one batch). Each run's
+ranks reads one batch). `--batch group` instead gives every batch group (a data rank, or a
+tensor / pipeline / context group) `--micro` sequences: the global batch then halves under the 2-D
+layouts, and context parallelism's point shows, half of every sequence per rank. Each run's
 throughput is the median `tokens_per_s` (global, every token counted once) of its logged steps
 after `--warmup` (metrics.jsonl); its memory is each rank's peak RSS (getrusage, written by the
 worker at the end of training). Runs alternate the `--layouts` for `--repeats` rounds. On CPU
@@ -15,6 +17,7 @@ save per-rank memory; the ratios, not the absolute figures, carry over between m
     .venv/bin/python bench/fsdp_vs_tp.py                      # llama, hidden 512 x 8 layers (~30M)
     .venv/bin/python bench/fsdp_vs_tp.py --hidden 128 --layers 2 --steps 6 --warmup 2 --seq 64   # smoke
     .venv/bin/python bench/fsdp_vs_tp.py --layouts "fsdp,fsdp x cp" --seq 2048 --micro 1   # long sequences
+    .venv/bin/python bench/fsdp_vs_tp.py --layouts "fsdp,fsdp x cp" --seq 4096 --micro 1 --batch group
 
 Under torchrun the same file is the worker (`--worker CONFIG`): `lmforge train`'s run_training
 with a callback that records the rank's peak RSS.
@@ -71,8 +74,8 @@ def write_config(out: Path, name: str, args: argparse.Namespace, *, degrees: dic
         },
         "train": {
             "max_steps": args.steps,
-            # The same global batch: PROCESSES x micro sequences either way.
-            "micro_batch_size": args.micro * PROCESSES // data_ranks,
+            # The same global batch (PROCESSES x micro sequences), or micro per batch group.
+            "micro_batch_size": args.micro if args.batch == "group" else args.micro * PROCESSES // data_ranks,
             "precision": "fp32",
             "resume": "never",
             "save_every": None,
@@ -139,6 +142,12 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--micro", type=int, default=2, help="sequences per rank under FSDP2 alone")
+    parser.add_argument(
+        "--batch",
+        choices=("global", "group"),
+        default="global",
+        help="global: the same global batch for every layout; group: --micro sequences per batch group",
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=1)
@@ -163,9 +172,12 @@ def main() -> None:
                 runs[name].append((tokens, rss))
                 peak = ", ".join(f"{b / 2**20:.0f}" for b in rss)
                 print(f"{name:9} {tokens:9.0f} tokens/s  peak RSS per rank (MiB): {peak}", flush=True)
-    print(
-        f"model: llama hidden {args.hidden} x {args.layers} layers, seq {args.seq}, global batch {PROCESSES * args.micro}"
+    batch = (
+        f"global batch {PROCESSES * args.micro}"
+        if args.batch == "global"
+        else f"{args.micro} per batch group"
     )
+    print(f"model: llama hidden {args.hidden} x {args.layers} layers, seq {args.seq}, {batch}")
     base_tokens = statistics.median(t for t, _ in runs[names[0]])
     base_rss = statistics.median(max(r) for _, r in runs[names[0]])
     for name in names:
