@@ -89,6 +89,36 @@ def test_merge_equals_peft_merge_and_unload(tokenizer, tmp_path: Path, preset: s
         torch.testing.assert_close(reloaded(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
 
 
+def test_adapters_on_fused_moe_experts_merge_through_peft(tokenizer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """transformers 5 keeps an MoE layer's experts in 3-D parameters; PEFT adapts them with
+    target_parameters, saved under the experts module's name (nested for two parameters). The merge
+    goes through PEFT's own merge_and_unload and equals it."""
+    arch = {"moe_intermediate_size": 48, "num_experts": 4, "num_experts_per_tok": 2}
+    base = save_base(tokenizer, tmp_path / "base", "qwen3-moe-tiny", **arch)
+    adapter = save_adapter(
+        base, tmp_path / "adapter", target_parameters=["experts.gate_up_proj", "experts.down_proj"]
+    )
+    report = merge_lora(base, adapter, tmp_path / "merged")
+    assert report.merged_tensors == 2 * (4 + 1 + 2)  # per layer: q, k, v, o, the router, 2 expert parameters
+    # save_pretrained writes the experts in the checkpoint layout (one tensor per expert), which
+    # from_pretrained fuses again: the loaded model's weights are PEFT's merge.
+    base_model = AutoModelForCausalLM.from_pretrained(str(base)).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    expected = peft_merged(base, adapter)
+    for name, tensor in reloaded.state_dict().items():
+        assert (tensor - expected[name]).abs().max().item() <= 1e-6, name
+    reference = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(base)), str(adapter)
+    ).eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+        assert (
+            base_model(ids).logits - reference(ids).logits
+        ).abs().max() > 1e-2  # the adapter does change it
+    assert (tmp_path / "merged" / "tokenizer.json").is_file()
+
+
 def test_a_base_that_does_not_match_the_adapter_is_refused(tokenizer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     base = save_base(tokenizer, tmp_path / "base", "llama-tiny")
     other = save_base(tokenizer, tmp_path / "other", "llama-tiny", hidden_size=32, intermediate_size=64)

@@ -286,10 +286,17 @@ def test_lora_on_moe_adapts_the_experts_and_counts_only_real_tokens(tmp_path: Pa
             "save_every": None,
         },
         "monitor": {"system_metrics_seconds": None, "loggers": []},
+        # The adapter is merged (PEFT's merge: adapters on the fused experts) and the merged model is
+        # verified against the adapter on its base, in its own runtime.
+        "export": {"formats": ["safetensors"]},
     }
     result = run_cli("train", str(write_config(tmp_path, config)))
     assert result.returncode == 0, result.stderr[-3000:]
     run = tmp_path / "runs" / "lora"
+    verdict = json.loads((run / "export" / "export.json").read_text())["artifacts"]["safetensors"][
+        "verification"
+    ]
+    assert verdict["passed"], verdict["failures"]
     assert_counts_match_real_tokens(logged_steps(run), top_k=2, layers=2)
     audit = json.loads(RunPaths(run).adapter_audit.read_text())
     assert audit["target_parameters"] == ["experts.down_proj", "experts.gate_up_proj"]

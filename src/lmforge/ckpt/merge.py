@@ -4,6 +4,12 @@ PEFT's `merge_and_unload()` needs the whole model in memory. Here the base's saf
 shards are rewritten tensor by tensor: untouched tensors are copied as bytes, adapted ones
 merged with the same arithmetic as PEFT's layers (in fp32, cast back to their dtype), so
 peak memory stays near the largest adapted tensor plus the adapter.
+
+Adapters on parameters (PEFT's `target_parameters`: the fused experts of a transformers 5 MoE
+model) are the exception: PEFT saves each one under its module's name with the parameter left out
+(two on one experts module nest as `experts.base_layer.lora_*` and `experts.lora_*`), and whether a
+3-D expert weight is stored (experts, in, out) or (experts, out, in) is the model class's business.
+Only PEFT, with the model built, knows both, so such adapters merge through `merge_and_unload()`.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import json
 import logging
 import re
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +31,7 @@ from lmforge.ckpt.atomic import check_out_path
 from lmforge.ckpt.safetensors_stream import INDEX_NAME, SafetensorsReader, write_header, write_tensor
 from lmforge.ckpt.to_safetensors import SIDE_FILES
 from lmforge.errors import UserInputError
+from lmforge.upstream import route_deepspeed_logs
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +67,8 @@ def merge_lora(base: Path, adapter: Path, out: Path) -> MergeReport:
     are copied as bytes, the adapted ones merged in fp32 and cast back to their dtype."""
     config = _adapter_config(adapter)
     check_out_path(out, base, adapter)
+    if config.get("target_parameters"):
+        return _merge_in_memory(base, adapter, out, config)
     updates = _read_updates(adapter, config)
     shards = _base_shards(base)
     tied = _tied_embedding_name(base, shards)
@@ -152,6 +162,53 @@ def _set_untied(out: Path) -> None:
     if "text_config" in config:
         config["text_config"]["tie_word_embeddings"] = False
     (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _merge_in_memory(base: Path, adapter: Path, out: Path, config: dict[str, Any]) -> MergeReport:
+    """PEFT's own merge of an adapter that has adapters on parameters (see the module docstring):
+    the base loaded whole in its own dtype, the adapter applied and merged, the model saved."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    log.info(
+        "%s adapts parameters %s (fused MoE experts): merged by PEFT's merge_and_unload with the whole model "
+        "in memory (their layout is the model class's)",
+        adapter,
+        config["target_parameters"],
+    )
+    shards = _base_shards(base)  # the same refusal as the streaming merge for a base without safetensors
+    model_class = (
+        AutoModelForSequenceClassification if config.get("task_type") == "SEQ_CLS" else AutoModelForCausalLM
+    )
+    route_deepspeed_logs()  # PEFT imports DeepSpeed, whose own handler prints "Setting accelerator to CPU"
+    try:
+        with warnings.catch_warnings():  # PEFT calls transformers' deprecated is_gradient_checkpointing
+            warnings.simplefilter("ignore", FutureWarning)
+            model = model_class.from_pretrained(
+                str(base), dtype="auto", trust_remote_code=False, use_safetensors=True
+            )
+            merged = PeftModel.from_pretrained(model, str(adapter), is_trainable=False).merge_and_unload()
+    except (OSError, ValueError, RuntimeError) as err:
+        raise UserInputError(f"{adapter}: PEFT cannot apply it to the base {base}: {err}") from None
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        merged.save_pretrained(str(staging))
+        _copy_side_files(base, adapter, staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+    adapted = _adapted_count(adapter)
+    log.info("merged %d adapted tensors into %s", adapted, out)
+    return MergeReport(out, adapted, 0, [p.name for p in shards])
+
+
+def _adapted_count(adapter: Path) -> int:
+    """Adapted tensors: one lora_A / lora_B pair each."""
+    with safe_open(str(adapter / ADAPTER_WEIGHTS), framework="pt") as reader:
+        return sum(1 for key in reader.keys() if ".lora_A." in key or ".lora_embedding_A" in key)  # noqa: SIM118
 
 
 def _adapter_config(adapter: Path) -> dict[str, Any]:
