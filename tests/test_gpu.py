@@ -48,6 +48,31 @@ def test_packed_sample_loss_equals_its_loss_alone_on_cuda(
     assert diff <= tolerance
 
 
+def test_packed_sft_under_flex_attention_trains_like_the_block_mask(tmp_path: Path, base_model: Path) -> None:  # noqa: F811
+    """The varlen path without flash-attn: packed rows under flex_attention (transformers' block mask
+    from the position ids, FlexAttention skipping the blocks between samples) give the loss curve
+    of packed rows under sdpa with lmforge's 4-D mask, in fp32."""
+    curves = {}
+    for implementation in ("sdpa", "flex_attention"):
+        (tmp_path / implementation).mkdir()
+        config = write_config(
+            tmp_path / implementation,
+            base_model,
+            f"packed-{implementation}",
+            ALPACA,
+            stage="sft",
+            precision="fp32",
+        )
+        cfg = load_config(
+            config, [f"model.attn_implementation={implementation}", "data.packing=true", "train.max_steps=6"]
+        )
+        run_training(cfg)
+        curves[implementation] = {r["step"]: r["loss"] for r in records(Path(cfg.run.dir)) if "loss" in r}
+    assert sorted(curves["flex_attention"]) == sorted(curves["sdpa"])
+    for step, loss in curves["sdpa"].items():
+        assert abs(curves["flex_attention"][step] - loss) <= 1e-4 * abs(loss), (step, curves)
+
+
 def test_qlora_trains_over_a_4bit_base(tmp_path: Path, base_model: Path) -> None:  # noqa: F811
     from bitsandbytes.nn import Linear4bit
 

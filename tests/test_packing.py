@@ -122,6 +122,56 @@ def test_position_ids_alone_do_not_isolate_packed_samples(tokenizer) -> None:
     assert diff > 1e-3
 
 
+def test_flex_attention_keeps_packed_samples_apart_by_their_position_ids(tokenizer) -> None:
+    """Under flex_attention the collator sends no mask: transformers finds each row's samples from
+    the restarting position ids and builds FlexAttention's block mask, in a forward without a KV
+    cache (the HF Trainer's forwards: its use_cache argument is off). Forward only: FlexAttention
+    has no backward on CPU (the training path runs in tests/test_gpu.py)."""
+    model = tiny_llama(tokenizer, "flex_attention")
+    samples = random_samples(len(tokenizer), [n for row in LENGTHS for n in row])
+    collate = PackedCollator(
+        tokenizer.pad_token_id, attn_implementation="flex_attention", pad_to_multiple_of=128
+    )
+    batch = collate([samples[:3], samples[3:]])
+    assert "attention_mask" not in batch
+    assert batch["input_ids"].shape == (2, 128)  # one row length: one compile
+    alone = alone_losses(tiny_llama(tokenizer, "sdpa"), samples)  # the same weights (same seed)
+    uncached = packed_losses(model, {**batch, "use_cache": False}, LENGTHS)
+    diff = max(abs(a - b) for a, b in zip(uncached, alone, strict=True))
+    print(f"flex_attention: max per-sample loss diff packed vs alone = {diff:.2e}")
+    assert diff <= 1e-5
+    cached = packed_losses(model, batch, LENGTHS)  # a cache hides the samples from transformers
+    assert max(abs(a - b) for a, b in zip(cached, alone, strict=True)) > 1e-3
+
+
+def test_the_eval_step_keeps_flex_packed_rows_apart(tokenizer, tmp_path) -> None:
+    """Through lmforge's Trainer: the eval loss of packed rows under flex_attention (no mask) equals
+    the one under sdpa with the 4-D block mask. With the Trainer's `use_cache=True` the flex rows
+    would leak into each other (the forward keeps a cache, and transformers then looks for no samples)."""
+    from transformers import TrainingArguments
+
+    from lmforge.train.trainer import LmforgeTrainer
+
+    samples = random_samples(len(tokenizer), [n for row in LENGTHS for n in row])
+    losses = {}
+    for implementation, length in (("sdpa", None), ("flex_attention", 128)):
+        trainer = LmforgeTrainer(
+            model=tiny_llama(tokenizer, implementation),
+            args=TrainingArguments(
+                output_dir=str(tmp_path / implementation),
+                use_cpu=True,
+                report_to=[],
+                per_device_eval_batch_size=2,
+            ),
+            eval_dataset=[samples[:3], samples[3:]],
+            data_collator=PackedCollator(
+                tokenizer.pad_token_id, attn_implementation=implementation, pad_to_multiple_of=length
+            ),
+        )
+        losses[implementation] = trainer.evaluate()["eval_loss"]
+    assert losses["flex_attention"] == pytest.approx(losses["sdpa"], rel=1e-5)
+
+
 def test_eager_needs_the_additive_mask_not_the_boolean_one(tokenizer) -> None:
     """Eager attention adds the mask to the scores: a boolean mask there would silently leak."""
     model = tiny_llama(tokenizer, "eager")

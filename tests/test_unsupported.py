@@ -67,6 +67,10 @@ CASES = {
         lambda tmp, moe: ["train", _train_config(tmp, attn_implementation="flash_attention_2")],
         ["model.attn_implementation: flash_attention_2", "sdpa"],
     ),
+    "flex-attention-training-without-cuda": (
+        lambda tmp, moe: ["train", _train_config(tmp, attn_implementation="flex_attention")],
+        ["model.attn_implementation: flex_attention", "no backward on CPU", "sdpa"],
+    ),
     "qlora-without-cuda": (
         lambda tmp, moe: ["train", _train_config(tmp, model_path=moe), "train.method=qlora"],
         ["train.method: qlora", "train.method: lora"],
@@ -74,7 +78,11 @@ CASES = {
 }
 
 
-NEEDS_NO_GPU = {"flash-attention-without-cuda", "qlora-without-cuda"}  # supported where CUDA is
+NEEDS_NO_GPU = {  # supported where CUDA is
+    "flash-attention-without-cuda",
+    "flex-attention-training-without-cuda",
+    "qlora-without-cuda",
+}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

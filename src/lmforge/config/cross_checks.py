@@ -21,7 +21,8 @@ RULES: list[Rule] = [
         lambda c: c.data.padding_free and c.model.attn_implementation != "flash_attention_2",
         "data.padding_free",
         "padding-free batches keep samples apart only under flash_attention_2 (sdpa/eager would let them "
-        "attend to each other); set model.attn_implementation: flash_attention_2, or use data.packing: true",
+        "attend to each other); set model.attn_implementation: flash_attention_2, or use data.packing: true "
+        "(with sdpa, or flex_attention on a GPU)",
     ),
     (
         lambda c: c.data.packing and c.model.attn_implementation == "flash_attention_2",

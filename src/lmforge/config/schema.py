@@ -86,8 +86,11 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype the weights are held in; mixed precision is `train.precision`."
     )
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa", description="Attention kernel passed to transformers."
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = Field(
+        "sdpa",
+        description="Attention kernel passed to transformers. flex_attention: torch's FlexAttention (training "
+        "on CUDA GPUs); with data.packing its block mask skips every block between two samples of a row, the "
+        "varlen path where flash-attn is not installed.",
     )
     trust_remote_code: bool = Field(
         False, description="Run model code shipped with a checkpoint. Off unless you trust it."

@@ -5,8 +5,13 @@ model shifts them internally (logits at t predict labels at t + 1).
 
 - `PaddedCollator`: one sample per row, right-padded to the longest in the batch.
 - `PackedCollator`: several samples per row (see `lmforge.data.packing`), kept apart by a 4-D
-  block-diagonal causal mask, which is what isolates them under sdpa / eager attention.
-  Position ids alone do NOT isolate them there (see the isolation test in tests/test_packing.py).
+  block-diagonal causal mask, which is what isolates them under sdpa / eager attention. Under
+  flex_attention the rows carry restarting position ids and no mask: transformers finds the
+  samples from the position ids and builds FlexAttention's block mask itself, which skips the
+  blocks between samples; it does so only in a forward without a KV cache, which is how the HF
+  Trainer runs its forwards (`TrainingArguments.use_cache`, off, train/arguments.py). A forward
+  that keeps a cache (a plain model call) sees one sequence per row: under sdpa / eager, position
+  ids alone then do NOT isolate the samples (see the isolation test in tests/test_packing.py).
 - `PaddingFreeCollator`: the whole batch as one row with restarting position ids and no mask,
   for flash-attention varlen (GPU); under sdpa / eager the samples would attend to each other.
 """
@@ -65,6 +70,7 @@ class PackedCollator:
     """
 
     MASKED_IMPLEMENTATIONS = ("sdpa", "eager")
+    POSITIONED_IMPLEMENTATIONS = ("flex_attention",)  # samples found from the position ids
 
     def __init__(
         self,
@@ -74,10 +80,10 @@ class PackedCollator:
         dtype: torch.dtype = torch.float32,
         pad_to_multiple_of: int | None = None,
     ) -> None:
-        if attn_implementation not in self.MASKED_IMPLEMENTATIONS:
+        if attn_implementation not in (*self.MASKED_IMPLEMENTATIONS, *self.POSITIONED_IMPLEMENTATIONS):
             raise ValueError(
-                f"PackedCollator supports attn_implementation sdpa or eager, not {attn_implementation!r}; "
-                "use PaddingFreeCollator with flash attention"
+                f"PackedCollator supports attn_implementation sdpa, eager or flex_attention, not "
+                f"{attn_implementation!r}; use PaddingFreeCollator with flash attention"
             )
         self.pad_token_id = pad_token_id
         self.attn_implementation = attn_implementation
@@ -104,12 +110,10 @@ class PackedCollator:
             )
             # Each pad position is a segment of its own: it sees itself and nothing else.
             segments[b, n:] = -torch.arange(1, longest - n + 1)
-        return {
-            "input_ids": input_ids,
-            "labels": labels,
-            "position_ids": position_ids,
-            "attention_mask": self._model_mask(block_causal_mask(segments)),
-        }
+        collated = {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}
+        if self.attn_implementation in self.MASKED_IMPLEMENTATIONS:
+            collated["attention_mask"] = self._model_mask(block_causal_mask(segments))
+        return collated
 
     def _model_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         if self.attn_implementation == "sdpa":

@@ -186,10 +186,13 @@ def _sft_data(
         evaluation: Dataset | None = PackedDataset(sft.eval, cfg.data.max_length) if sft.eval else None
         # The mask's form depends on the kernel: boolean for sdpa, additive for eager (a boolean
         # mask under eager would silently let samples attend to each other).
+        flex = cfg.model.attn_implementation == "flex_attention"
         collator: Callable[[list[Any]], dict[str, Any]] = PackedCollator(
             pad_token_id=tokenizer.pad_token_id,
             attn_implementation=cfg.model.attn_implementation,
             dtype=getattr(torch, cfg.model.dtype),  # model.dtype names a torch dtype: "bfloat16", ...
+            # FlexAttention's kernel is compiled per row length: one length, one compile.
+            pad_to_multiple_of=cfg.data.max_length if flex else None,
         )
     else:
         train = SampleDataset(sft.train)

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lmforge.data.collate import IGNORE_INDEX
 from lmforge.distributed.layout import Layout
 from lmforge.distributed.tensor_parallel import CONTEXT_DIM, MESH_ATTRIBUTE, build_mesh
 
@@ -54,8 +55,6 @@ __all__ = [
     "prepare_context_parallel",
     "sequence_buffers",
 ]
-
-IGNORE_INDEX = -100
 
 
 def prepare_context_parallel(model: Any, layout: Layout, *, on_gpu: bool) -> None:
@@ -124,8 +123,9 @@ class ContextParallel:
         from torch.distributed.tensor.experimental import context_parallel
 
         inputs = sequence_buffers(inputs, mesh.size())
-        names = [key for key in ("input_ids", "labels", "shift_labels", "position_ids") if key in inputs]
-        buffers = [inputs[key] for key in names]
+        buffers = [
+            inputs[key] for key in ("input_ids", "labels", "shift_labels", "position_ids") if key in inputs
+        ]
         enter = functools.partial(
             context_parallel,
             mesh,

@@ -49,8 +49,15 @@ def check_method_runs_here(cfg: TrainConfig) -> None:
 
 
 def check_attention_runs_here(cfg: ModelConfig) -> None:
-    """flash_attention_2 needs a CUDA GPU and the flash-attn package: say so before any work
-    (transformers would raise a long ImportError once the model is built)."""
+    """flash_attention_2 needs a CUDA GPU and the flash-attn package, flex_attention a CUDA GPU to
+    train: say so before any work (transformers would raise a long ImportError once the model is
+    built, torch a NotImplementedError at the first backward)."""
+    if cfg.attn_implementation == "flex_attention" and not torch.cuda.is_available():
+        raise UserInputError(
+            "model.attn_implementation: flex_attention trains on CUDA GPUs only: torch's FlexAttention has no "
+            "backward on CPU. Use model.attn_implementation: sdpa on this machine (data.packing keeps samples "
+            "apart there with a block mask), or run on a GPU host"
+        )
     if cfg.attn_implementation != "flash_attention_2":
         return
     if not torch.cuda.is_available():

@@ -75,6 +75,10 @@ def build_training_arguments(
         # lmforge's datasets and collators produce exactly the model's inputs; HF's column
         # filter would only drop the packed rows' position_ids on some architectures.
         remove_unused_columns=False,
+        # No KV cache in a training or eval forward (HF's default, said here because packing needs it):
+        # transformers finds the samples of a packed row from its restarting position ids only in a
+        # forward without one, which is what keeps them apart under flex_attention (data/collate.py).
+        use_cache=False,
         # HF's tqdm bars and raw log dicts make way for train/console_progress.py unless --verbose.
         disable_tqdm=not is_verbose(),
         **_early_stopping_arguments(cfg),
