@@ -134,18 +134,22 @@ def _print_layouts(plan: dict[str, Any]) -> None:
             fits,
         )
     console.print(table)
-    if any(r["fits"] and not r["runnable"] for r in shown):
-        console.print(
-            "yes*: fits, but context / pipeline / expert parallelism is not in the training step yet"
-        )
+    unrunnable = sorted({r["note"] for r in shown if r["fits"] and not r["runnable"]})
+    if unrunnable:
+        console.print(f"yes*: fits, but lmforge does not run it: {'; '.join(unrunnable)}")
     best = plan.get("recommended")
     if best is None:
         console.print(f"layout: {plan.get('reason')}")
         return
-    console.print(
-        f"layout: [bold]data {best['data']} x tensor {best['tensor']}[/] ({plan['reason']}); set "
-        f"distributed.strategy: fsdp, distributed.tensor_parallel: {best['tensor']}"
+    degrees = {key: best[key] for key in ("tensor", "context", "pipeline", "expert") if best[key] > 1}
+    mesh = " x ".join([f"data {best['data']}", *(f"{key} {degree}" for key, degree in degrees.items())])
+    settings = ", ".join(
+        [
+            "distributed.strategy: fsdp",
+            *(f"distributed.{key}_parallel: {degree}" for key, degree in degrees.items()),
+        ]
     )
+    console.print(f"layout: [bold]{mesh}[/] ({plan['reason']}); set {settings}")
 
 
 def _gpu_memory(given: str | None) -> tuple[str, str]:
