@@ -699,8 +699,10 @@ class DistributedConfig(Section):
     context_parallel: int = Field(
         1,
         ge=1,
-        description="Context-parallel degree: long sequences split over this many ranks (ring attention through "
-        "torch's context_parallel; GPU engines only, sdpa attention). Must divide data.max_length.",
+        description="Context-parallel degree: each sequence split over this many ranks (torch's context_parallel: "
+        "ring attention, each rank a head and a tail chunk); for sequences one device cannot hold. Composes "
+        "with strategy fsdp (which shards the weights over the data x context ranks) and tensor_parallel; "
+        "sdpa attention, pretrain and sft, no packing. Batches are padded to a multiple of 2 x the degree.",
     )
     pipeline_parallel: int = Field(
         1,
