@@ -103,9 +103,8 @@ class Plan:
         shard (distributed/tensor_parallel.py, context_parallel.py, pipeline_parallel.py)."""
         offload = ", CPU offload" if self.settings.offload != "none" else ""
         layout = self.layout
-        if (
-            layout.tensor == layout.context == layout.pipeline == 1
-        ):  # experts over the data ranks: no new dimension
+        # Experts split over the data ranks add no dimension of their own.
+        if layout.tensor == layout.context == layout.pipeline == 1:
             return f"fsdp x ep ({layout.describe()}{offload})"
         models = [
             name
@@ -238,15 +237,11 @@ def _check_context_parallel(cfg: LmforgeConfig, settings: DistributedConfig, eng
                 f"{setting} with {key}: ring attention runs one causal mask over the whole row, so packed samples "
                 "would attend to each other; turn it off (each sample its own row) or set context_parallel: 1"
             )
-    untested = {
-        "train.kernels: liger": train.kernels == "liger",
-    }
-    for setting, on in untested.items():
-        if on:
-            problems.append(
-                f"{setting} with {key}: not measured with torch's ring attention, which swaps the attention "
-                "function while each step runs; turn it off, or set context_parallel: 1"
-            )
+    if train.kernels == "liger":
+        problems.append(
+            f"train.kernels: liger with {key}: not measured with torch's ring attention, which swaps the "
+            "attention function while each step runs; remove train.kernels, or set context_parallel: 1"
+        )
     if problems:
         raise UserInputError("distributed.context_parallel cannot run this:\n  - " + "\n  - ".join(problems))
 
