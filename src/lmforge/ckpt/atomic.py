@@ -197,6 +197,23 @@ def _fsync_path(path: Path) -> None:
 
 
 @contextmanager
+def staged_directory(out: Path) -> Iterator[Path]:
+    """A directory written aside (`<out>.partial`, yielded) and moved to `out` only when the block
+    ends without an error: `out` is the old directory or the complete new one, never half written,
+    and a failed or interrupted write leaves no partial directory behind."""
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(out, ignore_errors=True)
+    staging.rename(out)
+
+
+@contextmanager
 def holding_lock(path: Path) -> Iterator[None]:
     """An exclusive OS lock on the file `path` (created if missing) for the block: processes on this
     machine that take it run the block one at a time; a process that dies releases it."""

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from lmforge.ckpt.atomic import staged_directory
 from lmforge.ckpt.dcp_checkpoint import dcp_sources
 from lmforge.ckpt.safetensors_stream import CODES, TensorSpec, parse_size, write_sharded
 from lmforge.ckpt.tensor_source import TensorSource
@@ -152,17 +153,9 @@ def _write(
         source = picked[spec.name]
         return source.read().to(target(source)).contiguous()
 
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
+    with staged_directory(out) as staging:
         files = write_sharded(staging, specs, tensor_for, max_shard_bytes=max_bytes, desc="consolidate")
         report.tokenizer = _copy_side_files(side, staging, dtype)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
     report.files = [f.name for f in files]
     report.tensors = len(specs)
     report.parameters = sum(math.prod(s.shape) for s in specs)

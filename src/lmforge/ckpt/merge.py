@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from lmforge.ckpt.atomic import check_out_path
+from lmforge.ckpt.atomic import check_out_path, staged_directory
 from lmforge.ckpt.safetensors_stream import INDEX_NAME, SafetensorsReader, write_header, write_tensor
 from lmforge.ckpt.to_safetensors import SIDE_FILES
 from lmforge.errors import UserInputError
@@ -74,12 +74,9 @@ def merge_lora(base: Path, adapter: Path, out: Path) -> MergeReport:
     tied = _tied_embedding_name(base, shards)
     untie = tied is not None and updates.get(tied, _Update()).replacement is not None
     pending = dict(updates)
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
     report = MergeReport(out, 0, 0, [s.name for s in shards])
     weight_map: dict[str, str] = {}
-    try:
+    with staged_directory(out) as staging:
         for shard in tqdm(shards, desc="merge shards", unit="shard"):
             with SafetensorsReader(shard) as reader, (staging / shard.name).open("wb") as writer:
                 # An untied copy of the original embedding goes right after it as the output head.
@@ -107,18 +104,13 @@ def merge_lora(base: Path, adapter: Path, out: Path) -> MergeReport:
                 f"{adapter}: the adapter changes {len(pending)} tensors the base {base} does not have "
                 f"(for example {sorted(pending)[:5]}); is this the base the adapter was trained on?"
             )
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    _copy_side_files(base, adapter, staging)
-    if (base / INDEX_NAME).is_file():  # the index names every tensor, the untied head included
-        total = sum((staging / name).stat().st_size for name in report.shards)
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (staging / INDEX_NAME).write_text(json.dumps(index, indent=2))
-    if untie:
-        _set_untied(staging)
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
+        _copy_side_files(base, adapter, staging)
+        if (base / INDEX_NAME).is_file():  # the index names every tensor, the untied head included
+            total = sum((staging / name).stat().st_size for name in report.shards)
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (staging / INDEX_NAME).write_text(json.dumps(index, indent=2))
+        if untie:
+            _set_untied(staging)
     log.info(
         "merged %d adapted and %d replaced tensors into %s",
         report.merged_tensors,
@@ -190,16 +182,9 @@ def _merge_in_memory(base: Path, adapter: Path, out: Path, config: dict[str, Any
             merged = PeftModel.from_pretrained(model, str(adapter), is_trainable=False).merge_and_unload()
     except (OSError, ValueError, RuntimeError) as err:
         raise UserInputError(f"{adapter}: PEFT cannot apply it to the base {base}: {err}") from None
-    staging = out.with_name(out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+    with staged_directory(out) as staging:
         merged.save_pretrained(str(staging))
         _copy_side_files(base, adapter, staging)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
     adapted = _adapted_count(adapter)
     log.info("merged %d adapted tensors into %s", adapted, out)
     return MergeReport(out, adapted, 0, [p.name for p in shards])
