@@ -313,6 +313,45 @@ def test_lora_on_moe_adapts_the_experts_and_counts_only_real_tokens(tmp_path: Pa
     assert any("mlp.experts.base_layer.lora_B" in k for k in keys), keys  # both expert parameters
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("stage", "data"),
+    [("dpo", "arithmetic_preference.jsonl"), ("kto", "arithmetic_kto.jsonl"), ("grpo", None)],
+)
+def test_preference_and_rl_stages_train_lora_on_an_moe_model(
+    tmp_path: Path, moe_base: Path, stage: str, data: str | None
+) -> None:
+    """TRL's DPO, KTO and GRPO over a LoRA on an MoE model: the experts get adapters, and every logged
+    step carries the expert load of its training forwards. Forwards without gradients (the
+    reference's log-probabilities with the adapter off, KTO's KL pass, GRPO's sampling) are not
+    counted, so DPO's and GRPO's counts are the step's tokens x top-k, and KTO's the share of its
+    tokens that trained (its KL pass runs the mismatched pairs as well)."""
+    config = {
+        "run": {"name": stage, "output_dir": str(tmp_path / "runs"), "seed": 0},
+        "model": {"path": str(moe_base)},
+        "data": {"train": [{"path": str(ROOT / "examples" / "data" / (data or "arithmetic_alpaca.jsonl"))}],
+                 "max_length": 64, "over_length": "truncate"},
+        "train": {"stage": stage, "method": "lora", "lora": {"r": 4}, "max_steps": 2, "micro_batch_size": 4,
+                  "lr": 1e-3, "precision": "fp32", "log_every": 1, "save_every": None,
+                  **({"rl": {"group_size": 4, "max_completion_length": 8}} if stage == "grpo" else {})},
+        "monitor": {"system_metrics_seconds": None, "loggers": []},
+    }  # fmt: skip
+    result = run_cli("train", str(write_config(tmp_path, config)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "runs" / stage
+    steps = logged_steps(run)
+    assert [r["step"] for r in steps] == [1, 2]
+    if stage == "kto":
+        seen = 0
+        for record in steps:
+            tokens, seen = record["tokens_seen"] - seen, record["tokens_seen"]
+            assert all(0 < routed < tokens * 2 for routed in routed_per_layer(record).values()), record
+    else:
+        assert_counts_match_real_tokens(steps, top_k=2, layers=2)
+    with safe_open(str(run / "final" / "adapter" / "adapter_model.safetensors"), "pt") as saved:
+        assert any("mlp.experts" in key and "lora_A" in key for key in saved.keys())  # noqa: SIM118
+
+
 @pytest.mark.slow
 def test_moe_settings_on_a_dense_model_stop_the_run_with_exit_2(
     tmp_path: Path, corpus: Path, tokenizer_dir: Path
