@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +33,17 @@ from lmforge.errors import UserInputError
 from tests.conftest import ROOT, run_cli
 from tests.test_tensor_parallel import (
     LOSS_RTOL,
-    SCRIPT,
     _config,
     _ranks,
     config_with,
     curve,
     expected_local_shape,
-    free_port,
     held_shares,
     launch,
     lmforge_config,
     load_script,
     plan_of,
+    run_scripts,
     tokens_seen,
     write,
 )
@@ -55,30 +51,14 @@ from tests.test_tensor_parallel import (
 SEQ = load_script().SEQ
 
 
-def _run(out: Path, nproc: int, tensor: int, context: int, *extra: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT / "src")}
-    args = [str(SCRIPT), str(out), str(tensor), "--context", str(context), *extra]
-    if nproc > 1:
-        args = [
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_port",
-            str(free_port()),
-            *args,
-        ]
-    done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """single/ (one process) and cp2/ (2 processes, then resumed from its step-2 checkpoint)."""
     root = tmp_path_factory.mktemp("cp")
-    _run(root / "single", 1, 1, 1)
-    _run(root / "cp2", 2, 1, 2)
-    _run(root / "cp2", 2, 1, 2, "--resume")
+    run_scripts((root / "single", 1, ("1", "--context", "1")), (root / "cp2", 2, ("1", "--context", "2")))
+    run_scripts(
+        (root / "cp2", 2, ("1", "--context", "2", "--resume")),
+    )
     return root
 
 
@@ -129,7 +109,7 @@ def test_the_final_model_is_whole_and_is_the_trained_one(runs: Path) -> None:
 @pytest.mark.parametrize(("run", "tensor"), [("fsdp_cp", 1), ("cp_tp", 2)])
 def test_context_parallel_composes_on_four_processes(runs: Path, run: str, tensor: int) -> None:
     """data_shard 2 x context 2, and context 2 x tensor 2 (a 3-D mesh with data_shard 1)."""
-    _run(runs / run, 4, tensor, 2)
+    run_scripts((runs / run, 4, (str(tensor), "--context", "2")))
     reference = _ranks(runs / "single", 1)[0]
     results = _ranks(runs / run, 4)
     for result in results:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import socket
 import subprocess
 from pathlib import Path
@@ -196,16 +195,27 @@ def test_two_processes_match_one_and_resume_from_their_own_checkpoint(
     assert max(abs(again[s] - curve[s]) for s in again) < TOLERANCE, (again, curve)
 
 
+@pytest.fixture(scope="module")
+def zero2_stopped_by_a_nan(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> tuple[Any, Path, dict]:
+    """A ZeRO-2 run on 2 processes whose rank 1 gets a NaN loss at step 3 (the launch's result,
+    its output root, its config). One run serves two tests: the stop, and the refusals to resume
+    its step-2 checkpoint under another stage or engine."""
+    root = tmp_path_factory.mktemp("zero2")
+    config = base_config(root, corpus, "nan", micro_batch=2, strategy="deepspeed", zero_stage=2)
+    config["train"] = {**config["train"], "max_steps": 5, "save_every": 2}
+    config["debug"] = {"faults": [{"kind": "nan", "step": 3, "rank": 1}]}
+    return torchrun(write(root / "nan.yaml", config)), root, config
+
+
 def test_a_zero_checkpoint_refuses_another_zero_stage_or_engine_and_says_how(
-    tmp_path: Path, corpus: Path
+    tmp_path: Path, zero2_stopped_by_a_nan: tuple[Any, Path, dict]
 ) -> None:
     """Another world size resumes (tests/test_reshard_resume.py); another ZeRO stage or engine does
     not, and stops before any model is built with the two ways forward."""
-    config = base_config(tmp_path, corpus, "zero2", micro_batch=2, strategy="deepspeed", zero_stage=2)
-    config["train"] = {**config["train"], "max_steps": 2, "save_every": 2}
-    result = torchrun(write(tmp_path / "zero2.yaml", config))
-    assert result.returncode == 0, result.stderr[-4000:]
-    checkpoint = tmp_path / "zero2" / "checkpoints" / "step-2"
+    _, root, written = zero2_stopped_by_a_nan
+    checkpoint = root / "nan" / "checkpoints" / "step-2"
+    assert checkpoint.is_dir()
+    config = {**written, "debug": {}, "run": {**written["run"], "output_dir": str(tmp_path)}}
     config["train"] = {**config["train"], "max_steps": 4, "resume": str(checkpoint)}
     for name, distributed, said in [
         ("zero3", {"strategy": "deepspeed", "zero_stage": 3}, "deepspeed ZeRO-3 on 1 process(es)"),
@@ -218,29 +228,27 @@ def test_a_zero_checkpoint_refuses_another_zero_stage_or_engine_and_says_how(
         assert "was written by deepspeed ZeRO-2 on 2 process(es)" in single.stderr and said in single.stderr
         assert "distributed.zero_stage=2" in single.stderr and "lmforge ckpt consolidate" in single.stderr
         assert "model: llama" not in single.stderr  # stopped before any model was built
-    shutil.rmtree(tmp_path / "zero2")
 
 
-def test_deepspeed_stops_on_a_nan_step_at_its_last_good_checkpoint(tmp_path: Path, corpus: Path) -> None:
+def test_deepspeed_stops_on_a_nan_step_at_its_last_good_checkpoint(
+    zero2_stopped_by_a_nan: tuple[Any, Path, dict],
+) -> None:
     """DeepSpeed applies the update inside backward: skip cannot drop it, so the run stops (exit 3)
     naming the newest complete checkpoint, and writes no checkpoint of the damaged state."""
-    config = base_config(tmp_path, corpus, "nan", micro_batch=2, strategy="deepspeed", zero_stage=2)
-    config["train"] = {**config["train"], "max_steps": 5, "save_every": 2}
-    config["debug"] = {"faults": [{"kind": "nan", "step": 3, "rank": 1}]}
-    result = torchrun(write(tmp_path / "nan.yaml", config))
+    result, root, _ = zero2_stopped_by_a_nan
     assert result.returncode != 0
     assert "nonfinite=skip and spike=skip act as stop" in result.stderr
     assert "the last good state is checkpoints/step-2" in result.stderr
     events = [
         json.loads(line)
-        for f in (tmp_path / "nan" / "events").glob("*.jsonl")
+        for f in (root / "nan" / "events").glob("*.jsonl")
         for line in f.read_text().splitlines()
     ]
     assert [(e["kind"], e["step"]) for e in events if e["kind"] in ("nonfinite", "stopped")] == [
         ("nonfinite", 3),
         ("stopped", 3),
     ]
-    assert sorted(p.name for p in (tmp_path / "nan" / "checkpoints").glob("step-*")) == ["step-2"]
+    assert sorted(p.name for p in (root / "nan" / "checkpoints").glob("step-*")) == ["step-2"]
 
 
 @pytest.mark.integration  # DeepSpeed JIT-compiles its CPU Adam on first use: ~2.5 minutes here

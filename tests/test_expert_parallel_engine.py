@@ -166,6 +166,9 @@ def _moe_config(
     return config
 
 
+# In `make test-integration` (CI time, 37 s): the engine-level runs above keep expert parallelism
+# in CI; this one adds lmforge's runner, launch line and metrics around the same engine.
+@pytest.mark.integration
 def test_lmforge_launch_expert_parallel_matches_one_process(tmp_path: Path, corpus: Path) -> None:
     from lmforge.ckpt.consolidate import consolidate
     from tests.conftest import run_cli

@@ -275,10 +275,17 @@ def test_weights_are_deterministic_and_match_their_mean() -> None:
 
 
 def test_hub_source_without_network_says_how_to_work_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets.config
+    import huggingface_hub.constants
+
     from lmforge.data.hub import is_hub_source
 
+    # The libraries read these at import, which an earlier test may have done: set both ways, or
+    # the lookup waits on connection timeouts (23 s in CI) before it fails.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert is_hub_source("hf://tatsu-lab/alpaca") and is_hub_source("tatsu-lab/alpaca")
     assert not is_hub_source("data/train.jsonl") and not is_hub_source("data/*.jsonl")
     with pytest.raises(

@@ -64,17 +64,24 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _run_script(out: Path, nproc: int, tensor: int, *extra: str) -> None:
+def run_scripts(*runs: tuple[Path, int, tuple[str, ...]]) -> None:
+    """Run tp_trainer.py as (output dir, processes, its arguments after the dir), all started
+    together (on 2 cores each run is mostly process start-up and rendezvous) and awaited."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT / "src")}
-    if nproc == 1:
-        command = [sys.executable, str(SCRIPT), str(out), str(tensor), *extra]
-    else:
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_port", str(free_port()), str(SCRIPT), str(out), str(tensor), *extra,
-        ]  # fmt: skip
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    started = []
+    for index, (out, nproc, args) in enumerate(runs):
+        command = [str(SCRIPT), str(out), *args]
+        if nproc > 1:
+            launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+            command = [*launcher, "--master_port", str(free_port()), *command]
+        log = out.parent / f"{out.name}-{index}.log"
+        with log.open("w") as sink:
+            process = subprocess.Popen(
+                [sys.executable, *command], env=env, stdout=sink, stderr=subprocess.STDOUT
+            )
+        started.append((process, log))
+    for process, log in started:
+        assert process.wait(timeout=300) == 0, log.read_text()[-4000:]
 
 
 def load_script(path: Path = SCRIPT) -> Any:
@@ -94,10 +101,9 @@ def _ranks(out: Path, count: int, prefix: str = "") -> list[dict[str, Any]]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """single/, tp2/ (2 processes, then resumed from its checkpoint) and tp4/ (2 x 2 on 4)."""
     root = tmp_path_factory.mktemp("tp")
-    _run_script(root / "single", 1, 1)
-    _run_script(root / "tp2", 2, 2)
-    _run_script(root / "tp2", 2, 2, "--resume")
-    _run_script(root / "tp4", 4, 2)
+    run_scripts((root / "single", 1, ("1",)), (root / "tp2", 2, ("2",)))
+    run_scripts((root / "tp2", 2, ("2", "--resume")))
+    run_scripts((root / "tp4", 4, ("2",)))  # alone: 4 processes already fill the 2 cores
     return root
 
 

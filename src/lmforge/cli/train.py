@@ -29,6 +29,7 @@ def train(
     """
     from rich.markup import escape
 
+    from lmforge.distributed.ranks import leave_process_group
     from lmforge.report import report_after_run
     from lmforge.sweep.trial import callbacks_from_env
     from lmforge.train.oom_ladder import DRIVER_ENV, OOM_LADDER_EXIT, OomRestart
@@ -44,6 +45,8 @@ def train(
         if DRIVER_ENV not in os.environ:  # nobody restarts this process: say how to go on
             console.print(f"[bold yellow]stopped[/] {escape(str(stop))}", highlight=False)
         sys.exit(OOM_LADDER_EXIT)  # SystemExit: not recorded as a worker's error for the launcher
+    if outcome.interrupted_by is None:  # every rank ran to the end: leave together
+        leave_process_group()
     if outcome.interrupted_by is not None:
         console.print(
             f"[bold yellow]stopped[/] by {outcome.interrupted_by} at step {outcome.steps} with a checkpoint; "

@@ -55,6 +55,16 @@ def wait_for_everyone() -> None:
         dist.barrier()
 
 
+def leave_process_group() -> None:
+    """Tear the process group down once every rank has finished its run: torch's documented
+    ending, rather than leaving gloo's and nccl's threads to the interpreter's exit. Only on
+    success: with a rank already dead, the barrier would wait for it until the timeout (the
+    launcher tears a failed job down instead)."""
+    if dist.is_initialized():
+        wait_for_everyone()
+        dist.destroy_process_group()
+
+
 @contextmanager
 def main_first(world: World) -> Iterator[None]:
     """Rank 0 runs the block first (claims the run directory, fills the data cache); the others
