@@ -56,9 +56,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """single/ (one process) and cp2/ (2 processes, then resumed from its step-2 checkpoint)."""
     root = tmp_path_factory.mktemp("cp")
     run_scripts((root / "single", 1, ("1", "--context", "1")), (root / "cp2", 2, ("1", "--context", "2")))
-    run_scripts(
-        (root / "cp2", 2, ("1", "--context", "2", "--resume")),
-    )
+    run_scripts((root / "cp2", 2, ("1", "--context", "2", "--resume")))
     return root
 
 
