@@ -45,14 +45,13 @@ def train(
         if DRIVER_ENV not in os.environ:  # nobody restarts this process: say how to go on
             console.print(f"[bold yellow]stopped[/] {escape(str(stop))}", highlight=False)
         sys.exit(OOM_LADDER_EXIT)  # SystemExit: not recorded as a worker's error for the launcher
-    if outcome.interrupted_by is None:  # every rank ran to the end: leave together
-        leave_process_group()
     if outcome.interrupted_by is not None:
         console.print(
             f"[bold yellow]stopped[/] by {outcome.interrupted_by} at step {outcome.steps} with a checkpoint; "
             "run the same command to resume"
         )
         return
+    leave_process_group()  # every rank ran to the end: leave together
     if outcome.already_finished:
         console.print(
             f"[bold green]already finished[/] at step {outcome.steps}"
