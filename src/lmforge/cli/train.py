@@ -27,16 +27,21 @@ def train(
 
     Example: `lmforge train examples/pretrain_tiny.yaml train.max_steps=50`
     """
+    apply_verbosity(verbose)
+    # Before the training stack is imported: a bad config, or a run this machine cannot do, is
+    # answered in a second.
+    cfg = load_config(config, overrides)
+    from lmforge.train.preflight import check_machine_requirements
+
+    check_machine_requirements(cfg)
     from rich.markup import escape
 
     from lmforge.distributed.ranks import leave_process_group
     from lmforge.report import report_after_run
-    from lmforge.sweep.trial import callbacks_from_env
+    from lmforge.sweep.pruning import callbacks_from_env
     from lmforge.train.oom_ladder import DRIVER_ENV, OOM_LADDER_EXIT, OomRestart
     from lmforge.train.runner import run_training
 
-    apply_verbosity(verbose)
-    cfg = load_config(config, overrides)
     try:
         # A sweep's trial reports its eval metric to the study (and stops when the pruner says so).
         outcome = run_training(cfg, after_run=report_after_run, extra_callbacks=callbacks_from_env())
@@ -84,11 +89,11 @@ def prepare(
 
     Example: `lmforge prepare examples/sft_lora.yaml --show 2`
     """
+    cfg = load_config(config, overrides)  # before the heavy imports: a bad config is answered at once
     from rich.text import Text
 
     from lmforge.data.run_data import first_samples, prepare_run_data, supervised_runs
 
-    cfg = load_config(config, overrides)
     report_path, tokenizer, data = prepare_run_data(cfg)
     console.print_json(json.dumps(data.report))
     # Preference / KTO rows are tokenized by TRL at train time: shown as rendered text.

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lmforge.config.schema import ADAPTER_METHODS, LmforgeConfig, TrainConfig
+from lmforge.config.schema import ADAPTER_METHODS, RL_STAGES, LmforgeConfig, TrainConfig
 
 CHAT_FORMATS = {"alpaca", "sharegpt", "messages"}
 PREFERENCE_STAGES = {"dpo", "kto", "rm"}
-RL_STAGES = {"grpo", "rloo"}
 
 Rule = tuple[Callable[[LmforgeConfig], bool], str, str]
 

@@ -442,6 +442,7 @@ ADAPTER_METHODS = ("lora", "dora", "qlora")
 # take 1024 x 150k x 4 B = 0.6 GB, where a micro-batch of 8 x 1024 tokens would take 4.9 GB at
 # once; chunks this long keep the head's matmul large enough to run at full speed.
 CHUNKED_LOSS_TOKENS = 1024
+RL_STAGES = ("grpo", "rloo")  # the online RL stages of train.stage
 OPTIMIZERS_ON_GPU_ONLY = ("paged_adamw_8bit", "paged_adamw_32bit")
 
 

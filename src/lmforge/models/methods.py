@@ -7,7 +7,6 @@ are PEFT-format and load with `PeftModel.from_pretrained`.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from pathlib import Path
 from typing import Any, Literal
@@ -17,7 +16,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, TaskType, get_peft_model, prepare_model_for_kbit_training
 from transformers import BitsAndBytesConfig, PreTrainedModel
 
-from lmforge.config.schema import ADAPTER_METHODS, ModelConfig, TrainConfig
+from lmforge.config.schema import ADAPTER_METHODS, TrainConfig
 from lmforge.config.schema import LoraConfig as LoraSettings
 from lmforge.errors import UserInputError
 from lmforge.models.adapter_audit import (
@@ -31,46 +30,6 @@ from lmforge.models.moe import add_router_loss_in_training, fused_expert_paramet
 log = logging.getLogger(__name__)
 
 Head = Literal["causal", "score"]
-
-
-def check_method_runs_here(cfg: TrainConfig) -> None:
-    """Fail before any work when the method cannot run on this machine (qlora without CUDA + bitsandbytes)."""
-    if cfg.method != "qlora":
-        return
-    if not torch.cuda.is_available():
-        raise UserInputError(
-            "train.method: qlora needs a CUDA GPU (bitsandbytes 4-bit kernels); none is visible here. "
-            "Use train.method: lora on this machine, or run on a GPU host"
-        )
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise UserInputError(
-            "train.method: qlora needs bitsandbytes; install it with `pip install bitsandbytes`"
-        )
-
-
-def check_attention_runs_here(cfg: ModelConfig) -> None:
-    """flash_attention_2 needs a CUDA GPU and the flash-attn package, flex_attention a CUDA GPU to
-    train: say so before any work (transformers would raise a long ImportError once the model is
-    built, torch a NotImplementedError at the first backward)."""
-    if cfg.attn_implementation == "flex_attention" and not torch.cuda.is_available():
-        raise UserInputError(
-            "model.attn_implementation: flex_attention trains on CUDA GPUs only: torch's FlexAttention has no "
-            "backward on CPU. Use model.attn_implementation: sdpa on this machine (data.packing keeps samples "
-            "apart there with a block mask), or run on a GPU host"
-        )
-    if cfg.attn_implementation != "flash_attention_2":
-        return
-    if not torch.cuda.is_available():
-        raise UserInputError(
-            "model.attn_implementation: flash_attention_2 runs on CUDA GPUs only and none is visible here. "
-            "Use model.attn_implementation: sdpa on this machine (with data.packing: true instead of "
-            "data.padding_free), or run on a GPU host"
-        )
-    if importlib.util.find_spec("flash_attn") is None:
-        raise UserInputError(
-            "model.attn_implementation: flash_attention_2 needs the flash-attn package; install it with "
-            "`pip install flash-attn --no-build-isolation`, or use model.attn_implementation: sdpa"
-        )
 
 
 def quantization_for(cfg: TrainConfig, compute_dtype: torch.dtype) -> BitsAndBytesConfig | None:

@@ -2,9 +2,9 @@
 under the sweep directory, and its eval metric reported to the study as it trains.
 
 The child learns which trial it is from LMFORGE_SWEEP_TRIAL (storage URL, study, trial id,
-metric). At each evaluation it reports the metric to Optuna and asks the pruner; a pruned trial
-stops like an early-stopped run (final/ written, a `pruned` event saying why) and the parent
-marks it pruned. The objective of a finished trial is its last evaluation of the metric.
+metric); `sweep/pruning.py` is its side. This side, the sweep's process, never imports the training
+stack. A pruned trial stops like an early-stopped run (final/ written, a `pruned` event saying why)
+and the parent marks it pruned. The objective of a finished trial is its last evaluation of the metric.
 """
 
 from __future__ import annotations
@@ -20,10 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import optuna
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-
-from lmforge.monitor.events import EventLog
 from lmforge.monitor.metrics import read_metrics
 from lmforge.run_layout import RunPaths
 
@@ -43,51 +39,6 @@ class TrialSpec:
 
     def to_env(self) -> str:
         return json.dumps(self.__dict__)
-
-
-class PruningReport(TrainerCallback):
-    """In the trial's process: the eval metric to the study at each evaluation; stop when pruned."""
-
-    def __init__(self, spec: TrialSpec) -> None:
-        from lmforge.sweep.study import make_pruner, open_storage
-
-        self.spec = spec
-        study = optuna.load_study(
-            study_name=spec.study,
-            storage=open_storage(spec.storage),
-            pruner=make_pruner(spec.pruner, spec.prune_after),  # type: ignore[arg-type]
-        )
-        self.trial = optuna.Trial(study, spec.trial_id)
-        self.events = EventLog(RunPaths(Path(spec.run_dir)).events)
-
-    def on_evaluate(
-        self,
-        args: TrainingArguments,
-        state: TrainerState,
-        control: TrainerControl,
-        metrics: dict[str, float] | None = None,
-        **kw: Any,
-    ) -> None:
-        # Step 0 (eval_on_start) is the same for every trial of one seed: nothing to compare.
-        if not state.is_world_process_zero or state.global_step == 0 or not metrics:
-            return
-        if self.spec.metric not in metrics:
-            return  # the parent fails the trial, naming the metrics there are
-        self.trial.report(float(metrics[self.spec.metric]), state.global_step)
-        if self.trial.should_prune():
-            control.should_training_stop = True
-            self.events.emit(
-                "pruned",
-                state.global_step,
-                f"sweep pruner: {self.spec.metric}={metrics[self.spec.metric]:.6g} at step {state.global_step} "
-                "is worse than the other trials at this step",
-            )
-
-
-def callbacks_from_env() -> list[TrainerCallback]:
-    """The pruning report when this process is a sweep trial, else nothing."""
-    raw = os.environ.get(ENV)
-    return [PruningReport(TrialSpec(**json.loads(raw)))] if raw else []
 
 
 @dataclass

@@ -10,6 +10,7 @@ from transformers.trainer_callback import PrinterCallback
 
 from lmforge.ckpt.atomic import CheckpointStatus
 from lmforge.config import LmforgeConfig
+from lmforge.config.schema import RL_STAGES
 from lmforge.data.run_data import RunData
 from lmforge.distributed.pipeline_parallel import whole_parameter_count
 from lmforge.distributed.strategy import Plan, engine_arguments
@@ -36,7 +37,6 @@ from lmforge.train.memory_savers import check_chunked_loss_fits
 from lmforge.train.moe_metrics import expert_load_callback
 from lmforge.train.profiling import ProfileCallback
 from lmforge.train.rl_samples import RlSamples
-from lmforge.train.rl_stage import RL_STAGES
 from lmforge.train.stages import build_stage_trainer
 from lmforge.verbosity import is_verbose
 

@@ -30,10 +30,10 @@ from transformers import (
 )
 
 from lmforge.config import LmforgeConfig
-from lmforge.config.schema import EvalGenerationsConfig, MonitorConfig
+from lmforge.config.schema import EvalGenerationsConfig
 from lmforge.data.run_data import RunData
 from lmforge.distributed.strategy import Plan
-from lmforge.evaluate.quality import generation_quality, require_bertscore
+from lmforge.evaluate.quality import generation_quality
 from lmforge.evaluate.samples import complete_prompts, sample_prompts
 from lmforge.monitor.metrics import drop_records_after
 from lmforge.monitor.run_artifacts import Sample
@@ -160,13 +160,6 @@ def eval_generations_callbacks(
         skip_reason=sharding_reason(plan),
     )
     return [callback]
-
-
-def require_eval_generation_packages(monitor: MonitorConfig) -> None:
-    """UserInputError, before any work, when the eval steps would score BERTScore without bert-score."""
-    settings = monitor.eval_generations
-    if monitor.enabled and settings is not None and settings.metrics:
-        require_bertscore(settings.bertscore_model)
 
 
 def sharding_reason(plan: Plan) -> str | None:

@@ -1,5 +1,8 @@
 """What this machine must have for a run, checked before any data, tokenizer or model work: a
-run that cannot work here stops in a second with the fix, not after minutes of preparation."""
+run that cannot work here stops in a second with the fix, not after minutes of preparation.
+
+This module imports torch and lmforge's config alone (no transformers, peft or TRL), so `lmforge
+train` runs these checks before it loads the training stack."""
 
 from __future__ import annotations
 
@@ -8,18 +11,29 @@ import importlib.util
 import torch
 
 from lmforge.config import LmforgeConfig
-from lmforge.config.schema import OPTIMIZERS_ON_GPU_ONLY, TrainConfig
+from lmforge.config.schema import (
+    OPTIMIZERS_ON_GPU_ONLY,
+    RL_STAGES,
+    ModelConfig,
+    MonitorConfig,
+    RlConfig,
+    TrainConfig,
+)
 from lmforge.errors import UserInputError
-from lmforge.models.methods import check_attention_runs_here, check_method_runs_here
+from lmforge.evaluate.quality import require_bertscore
 from lmforge.monitor.sinks import require_sink_packages
-from lmforge.train.eval_generations import require_eval_generation_packages
-from lmforge.train.rl_stage import RL_STAGES, uses_vllm
 from lmforge.upstream import check_upstream_versions
 
 
 def check_runs_here(cfg: LmforgeConfig) -> None:
     """UserInputError for the first requirement this machine misses; a warning when a library
     lmforge patches is outside its tested versions."""
+    check_machine_requirements(cfg)
+    check_upstream_versions()
+
+
+def check_machine_requirements(cfg: LmforgeConfig) -> None:
+    """UserInputError for the first GPU, package or extra the run needs and this machine lacks."""
     check_method_runs_here(cfg.train)  # qlora without CUDA + bitsandbytes
     check_recipe_runs_here(cfg.train)  # paged optimizers or Liger without CUDA
     check_attention_runs_here(cfg.model)  # flash_attention_2 without CUDA + flash-attn
@@ -27,7 +41,6 @@ def check_runs_here(cfg: LmforgeConfig) -> None:
     require_eval_generation_packages(cfg.monitor)  # BERTScore without the bertscore extra
     if cfg.train.stage in RL_STAGES:
         uses_vllm(cfg.train.rl)  # generation: vllm without CUDA + the vllm package
-    check_upstream_versions()
 
 
 def check_recipe_runs_here(train: TrainConfig) -> None:
@@ -48,3 +61,67 @@ def check_recipe_runs_here(train: TrainConfig) -> None:
             raise UserInputError(
                 "train.kernels liger needs the liger-kernel package: pip install 'lmforge[liger]'"
             )
+
+
+def check_method_runs_here(cfg: TrainConfig) -> None:
+    """Fail before any work when the method cannot run on this machine (qlora without CUDA + bitsandbytes)."""
+    if cfg.method != "qlora":
+        return
+    if not torch.cuda.is_available():
+        raise UserInputError(
+            "train.method: qlora needs a CUDA GPU (bitsandbytes 4-bit kernels); none is visible here. "
+            "Use train.method: lora on this machine, or run on a GPU host"
+        )
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UserInputError(
+            "train.method: qlora needs bitsandbytes; install it with `pip install bitsandbytes`"
+        )
+
+
+def check_attention_runs_here(cfg: ModelConfig) -> None:
+    """flash_attention_2 needs a CUDA GPU and the flash-attn package, flex_attention a CUDA GPU to
+    train: say so before any work (transformers would raise a long ImportError once the model is
+    built, torch a NotImplementedError at the first backward)."""
+    if cfg.attn_implementation == "flex_attention" and not torch.cuda.is_available():
+        raise UserInputError(
+            "model.attn_implementation: flex_attention trains on CUDA GPUs only: torch's FlexAttention has no "
+            "backward on CPU. Use model.attn_implementation: sdpa on this machine (data.packing keeps samples "
+            "apart there with a block mask), or run on a GPU host"
+        )
+    if cfg.attn_implementation != "flash_attention_2":
+        return
+    if not torch.cuda.is_available():
+        raise UserInputError(
+            "model.attn_implementation: flash_attention_2 runs on CUDA GPUs only and none is visible here. "
+            "Use model.attn_implementation: sdpa on this machine (with data.packing: true instead of "
+            "data.padding_free), or run on a GPU host"
+        )
+    if importlib.util.find_spec("flash_attn") is None:
+        raise UserInputError(
+            "model.attn_implementation: flash_attention_2 needs the flash-attn package; install it with "
+            "`pip install flash-attn --no-build-isolation`, or use model.attn_implementation: sdpa"
+        )
+
+
+def require_eval_generation_packages(monitor: MonitorConfig) -> None:
+    """UserInputError, before any work, when the eval steps would score BERTScore without bert-score."""
+    settings = monitor.eval_generations
+    if monitor.enabled and settings is not None and settings.metrics:
+        require_bertscore(settings.bertscore_model)
+
+
+def uses_vllm(rl: RlConfig) -> bool:
+    """`train.rl.generation`: vLLM when asked (refused without it) or, with auto, when it is there."""
+    has_vllm = _vllm_installed() and torch.cuda.is_available()
+    if rl.generation == "vllm" and not has_vllm:
+        raise UserInputError(
+            "train.rl.generation: vllm needs a CUDA GPU and the vllm package (pip install 'lmforge[vllm]'); "
+            "use generation: transformers (or auto) here"
+        )
+    return rl.generation == "vllm" or (rl.generation == "auto" and has_vllm)
+
+
+def _vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None

@@ -16,14 +16,11 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lmforge.config.schema import ADAPTER_METHODS, RlConfig, TrainConfig
-from lmforge.errors import UserInputError
+from lmforge.config.schema import ADAPTER_METHODS, TrainConfig
 from lmforge.run_layout import RunPaths
 from lmforge.train.rewards import RewardSet, build_reward_functions
 
 log = logging.getLogger(__name__)
-
-RL_STAGES = ("grpo", "rloo")
 
 
 def rl_config_values(train: TrainConfig, rewards: RewardSet, *, use_vllm: bool) -> dict[str, Any]:
@@ -58,23 +55,6 @@ def rl_config_values(train: TrainConfig, rewards: RewardSet, *, use_vllm: bool) 
     elif "scale_rewards" in rl.model_fields_set:
         values["normalize_advantages"] = rl.scale_rewards != "none"
     return values
-
-
-def uses_vllm(rl: RlConfig) -> bool:
-    """`train.rl.generation`: vLLM when asked (refused without it) or, with auto, when it is there."""
-    has_vllm = _vllm_installed() and torch.cuda.is_available()
-    if rl.generation == "vllm" and not has_vllm:
-        raise UserInputError(
-            "train.rl.generation: vllm needs a CUDA GPU and the vllm package (pip install 'lmforge[vllm]'); "
-            "use generation: transformers (or auto) here"
-        )
-    return rl.generation == "vllm" or (rl.generation == "auto" and has_vllm)
-
-
-def _vllm_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
 
 
 def build_rl_rewards(train: TrainConfig, dataset: Any, tokenizer: PreTrainedTokenizerBase) -> RewardSet:

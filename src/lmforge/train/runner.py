@@ -22,7 +22,7 @@ from lmforge.ckpt.export import SUMMARY_NAME as EXPORT_SUMMARY
 from lmforge.ckpt.export import ExportOutcome, run_export
 from lmforge.ckpt.safe_load import no_code_from_checkpoints
 from lmforge.config import LmforgeConfig, dump_config
-from lmforge.config.schema import MonitorConfig
+from lmforge.config.schema import RL_STAGES, MonitorConfig
 from lmforge.distributed.context_parallel import prepare_context_parallel
 from lmforge.distributed.expert_parallel import shard_experts
 from lmforge.distributed.pipeline_parallel import split_into_stages, whole_parameter_count
@@ -49,7 +49,7 @@ from lmforge.train.outcome import TrainOutcome, outcome_of
 from lmforge.train.precision import resolve_precision
 from lmforge.train.preflight import check_runs_here
 from lmforge.train.provenance import describe
-from lmforge.train.rl_stage import RL_STAGES, reference_model_path
+from lmforge.train.rl_stage import reference_model_path
 from lmforge.train.rollback import train_with_rollbacks
 from lmforge.train.run_lock import RunLock
 from lmforge.train.run_log import run_log

@@ -17,13 +17,14 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments
 
 from lmforge.config import LmforgeConfig
-from lmforge.config.schema import ADAPTER_METHODS, TrainConfig
+from lmforge.config.schema import ADAPTER_METHODS, RL_STAGES, TrainConfig
 from lmforge.data.run_data import RunData
 from lmforge.run_layout import RunPaths
 from lmforge.train.arguments import build_training_arguments
 from lmforge.train.numerics import CountingCollator
+from lmforge.train.preflight import uses_vllm
 from lmforge.train.rewards import RewardSet
-from lmforge.train.rl_stage import RL_STAGES, build_rl_rewards, rl_config_values, uses_vllm
+from lmforge.train.rl_stage import build_rl_rewards, rl_config_values
 from lmforge.train.trainer import LmforgeTrainer, with_lmforge_step
 
 
