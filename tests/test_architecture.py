@@ -128,3 +128,14 @@ def test_run_readers_start_without_torch(module: str) -> None:
     code = f"import sys, {module}; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("module", ["lmforge.train.preflight", "lmforge.sweep.run"])
+def test_checks_before_training_start_without_the_training_stack(module: str) -> None:
+    """`lmforge train` runs the machine checks, and `lmforge sweep` drives its trials, without
+    transformers, peft or TRL (about 4 s of imports): a run this machine cannot do is refused in
+    about a second, and the sweep's own process stays small."""
+    heavy = ("transformers", "peft", "trl")
+    code = f"import sys, {module}; print([m for m in {heavy!r} if m in sys.modules])"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
