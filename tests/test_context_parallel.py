@@ -7,7 +7,7 @@ tensor-parallel tests: one process (the reference), CP=2 on 2 processes (then re
 checkpoint), and data_shard 2 x context 2 and context 2 x tensor 2 on 4 processes (integration).
 Each rank records the sequence length its first attention layer saw, its slice of every parameter
 and the samples it read; the tests assert on those. Two `lmforge launch` runs train SFT with
-padded batches of uneven length and gradient checkpointing, and resume on one process.
+padded batches of uneven length and gradient checkpointing, and resume on one process (integration).
 
 Tolerance: the same as tensor parallelism's (tests/test_tensor_parallel.py:LOSS_RTOL, 5e-6
 relative): the ring merges each rank's partial attention by log-sum-exp in float32 and FSDP2 sums
@@ -219,6 +219,10 @@ def _sft_config(out: Path, tokenizer: Path, name: str, steps: int, **distributed
     }  # fmt: skip
 
 
+# In `make test-integration` (CI time, 31 s): the Trainer-level CP runs above keep context
+# parallelism, its sharded eval and its DCP resume in CI; this one adds lmforge's runner, launch
+# line, SFT batches of uneven length and the 2 -> 1 resume around the same engine.
+@pytest.mark.integration
 def test_lmforge_launch_sft_under_context_parallelism_matches_and_resumes_on_one_process(
     tmp_path: Path, corpus: Path
 ) -> None:
