@@ -112,16 +112,10 @@ def require_eval_generation_packages(monitor: MonitorConfig) -> None:
 
 def uses_vllm(rl: RlConfig) -> bool:
     """`train.rl.generation`: vLLM when asked (refused without it) or, with auto, when it is there."""
-    has_vllm = _vllm_installed() and torch.cuda.is_available()
+    has_vllm = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
     if rl.generation == "vllm" and not has_vllm:
         raise UserInputError(
             "train.rl.generation: vllm needs a CUDA GPU and the vllm package (pip install 'lmforge[vllm]'); "
             "use generation: transformers (or auto) here"
         )
     return rl.generation == "vllm" or (rl.generation == "auto" and has_vllm)
-
-
-def _vllm_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
