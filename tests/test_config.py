@@ -208,3 +208,31 @@ def test_kto_needs_micro_batches_of_two(tmp_path: Path) -> None:
                 "train": {"stage": "kto", "micro_batch_size": 1},
             },
         )
+
+
+def test_yaml_alias_bomb_is_refused_in_seconds_and_plain_anchors_still_work(tmp_path: Path) -> None:
+    # Nine levels of nine aliases: 9**9 (387 million) leaves once expanded; `config show` grew to
+    # gigabytes before the expanded size was bounded.
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(levels) + "\n")
+    result = run_cli("config", "show", str(bomb), timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert f"{bomb}:" in result.stderr and "alias bomb" in result.stderr
+    assert "Traceback" not in result.stderr
+    recursive = write(tmp_path, "run: &r {name: x, again: *r}\n")
+    assert "refers to the node that contains it" in errors_of(recursive)
+    # Anchors used the way people use them (one block shared by two sources) still load.
+    shared = VALID.replace(
+        "    - path: corpus.txt\n", "    - &src {path: corpus.txt, weight: 2.0}\n    - *src\n"
+    )
+    cfg = load_config(write(tmp_path, shared))
+    assert [source.weight for source in cfg.data.train] == [2.0, 2.0]
+
+
+def test_null_means_the_default_for_keys_that_have_one(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, VALID), ["train.warmup_steps=null", "train.lora=null"])
+    assert cfg.train.warmup_steps == 0 and cfg.train.lora.r == 8
+    # Where None means something of its own (no step limit), it is kept.
+    assert load_config(write(tmp_path, VALID), ["train.max_steps=null"]).train.max_steps is None

@@ -208,6 +208,32 @@ def test_preference_messages_form(tmp_path: Path) -> None:
     assert pair.chosen.content == "Hello!" and roles(pair.prompt) == ["user"]
 
 
+def test_trl_preference_rows_standard_conversational_and_implicit_prompt(tmp_path: Path) -> None:
+    user = {"role": "user", "content": "2+2?"}
+    rows = [
+        {"prompt": "2+2?", "chosen": "4", "rejected": "5"},  # TRL's standard form
+        {  # TRL's conversational form
+            "prompt": [user],
+            "chosen": [{"role": "assistant", "content": "4"}],
+            "rejected": [{"role": "assistant", "content": "5"}],
+        },
+    ]
+    for fmt in ("auto", "preference"):
+        pairs = read(write_jsonl(tmp_path / f"trl-{fmt}.jsonl", rows), fmt)
+        assert all(isinstance(p, PreferencePair) for p in pairs), pairs
+        assert [[(m.role, m.content) for m in p.prompt] for p in pairs] == [[("user", "2+2?")]] * 2
+        assert [(p.chosen.content, p.rejected.content) for p in pairs] == [("4", "5")] * 2
+    implicit = {  # TRL's implicit prompt: the shared turns of two whole conversations
+        "chosen": [user, {"role": "assistant", "content": "4"}],
+        "rejected": [user, {"role": "assistant", "content": "5"}],
+    }
+    (pair,) = read(write_jsonl(tmp_path / "implicit.jsonl", [implicit]))
+    assert roles(pair.prompt) == ["user"] and (pair.chosen.content, pair.rejected.content) == ("4", "5")
+    mismatched = {**implicit, "rejected": [{"role": "user", "content": "3+3?"}, implicit["rejected"][1]]}
+    (bad,) = read(write_jsonl(tmp_path / "bad.jsonl", [mismatched]))
+    assert isinstance(bad, BadRow) and "implicit-prompt" in bad.message()
+
+
 def test_kto_sharegpt_messages_and_label_column(tmp_path: Path) -> None:
     conv = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
@@ -231,6 +257,8 @@ def test_kto_sharegpt_messages_and_label_column(tmp_path: Path) -> None:
         ({"messages", "tools"}, "messages"),
         ({"instruction", "input", "output"}, "alpaca"),
         ({"instruction", "chosen", "rejected"}, "preference"),
+        ({"prompt", "chosen", "rejected"}, "preference"),
+        ({"chosen", "rejected"}, "preference"),
         ({"conversations", "kto_tag"}, "kto"),
         ({"messages", "label"}, "kto"),
         ({"text"}, "text"),

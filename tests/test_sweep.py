@@ -91,14 +91,18 @@ def test_cli_refuses_a_bad_space_and_a_config_without_evaluations(tmp_path: Path
 @pytest.mark.slow
 @pytest.mark.usefixtures("shared_cache")
 def test_sweep_prunes_writes_its_results_and_the_best_config_reruns_to_its_metric(tmp_path: Path) -> None:
-    config = str(write_config(tmp_path))
-    result = run_cli(
-        "sweep", config, *SHORT, "--space", str(write_space(tmp_path)), "--trials", "6", "--sampler", "random"
-    )
+    config, space = str(write_config(tmp_path)), str(write_space(tmp_path))
+    # Three trials, then the same sweep run again for six in all (as after a kill): the re-run
+    # used to draw the first sweep's values again (trial 3 = trial 0, to 16 digits).
+    first = run_cli("sweep", config, *SHORT, "--space", space, "--trials", "3", "--sampler", "random")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    result = run_cli("sweep", config, *SHORT, "--space", space, "--trials", "6", "--sampler", "random")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "3 more trial(s) of 6" in result.stdout
     sweep_dir = tmp_path / "runs" / "base-sweep"
     study = load_study(sweep_dir)
     assert len(study.trials) == 6
+    assert len({tuple(sorted(t.params.items())) for t in study.trials}) == 6, [t.params for t in study.trials]
     assert states(study).count("PRUNED") >= 1, states(study)
     assert set(states(study)) <= {"COMPLETE", "PRUNED"}
     pruned = next(t for t in study.trials if t.state.name == "PRUNED")
@@ -211,8 +215,12 @@ def test_two_processes_share_one_sqlite_study(tmp_path: Path) -> None:
         assert worker.returncode == 0, output[-3000:]
         assert "database is locked" not in output
     study = load_study(tmp_path / "runs" / "base-sweep")
-    complete = [t for t in study.trials if t.state.name == "COMPLETE"]
-    assert len(complete) >= 4 and "FAIL" not in states(study)
+    # --trials is the total of both processes (each used to start 4), with no values drawn twice; a
+    # trial both asked for at the same instant is failed untrained (rare: "over_budget").
+    trained = [t for t in study.trials if not t.user_attrs.get("over_budget")]
+    assert [t.state.name for t in trained] == ["COMPLETE"] * 4
+    complete = trained
+    assert len({tuple(sorted(t.params.items())) for t in complete}) == 4, [t.params for t in complete]
     dirs = [t.user_attrs["run_dir"] for t in complete]
     assert len(set(dirs)) == len(dirs)
     assert all((Path(d) / "final").is_dir() for d in dirs)
@@ -256,3 +264,181 @@ def test_several_processes_opening_one_new_sqlite_study_at_once(tmp_path: Path) 
     ]
     errors = [opener.communicate(timeout=120)[1] for opener in openers]
     assert [opener.returncode for opener in openers] == [0, 0, 0, 0], errors
+
+
+def test_a_space_written_as_people_write_learning_rates_is_read_as_numbers(tmp_path: Path) -> None:
+    """YAML 1.1 reads `1e-6` (no dot) as a string; the config takes `train.lr: 1e-4`, so must the space."""
+    path = tmp_path / "space.yaml"
+    path.write_text(
+        "train.lr: {low: 1e-6, high: 3e-2, log: true}\ntrain.warmup_steps: {low: 0, high: 4, step: 2}\n"
+    )
+    space = load_space(path, write_config(tmp_path), [])
+    lr = space.distributions["train.lr"]
+    assert (lr.low, lr.high, lr.log) == (1e-6, 3e-2, True)  # type: ignore[attr-defined]
+    path.write_text("train.lr: {low: 1e-6, high: fast}\n")
+    with pytest.raises(UserInputError, match="low and high must be numbers, got 1e-06 and 'fast'"):
+        load_space(path, write_config(tmp_path), [])
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("shared_cache")
+def test_a_sweep_killed_mid_trial_seals_its_checkpoint_and_the_retry_resumes_it(tmp_path: Path) -> None:
+    """SIGTERM to the sweep's process group (what a scheduler or `kill -- -PGID` sends): the running
+    trial checkpoints once, and the sweep run again resumes it from that checkpoint, not step 1."""
+    config, space = str(write_config(tmp_path)), write_space(tmp_path)
+    options = ("--trials", "1", "--sampler", "random", "--pruner", "none")
+    trial_dir = tmp_path / "runs" / "base-sweep" / "trial-0000"
+    command = [sys.executable, "-m", "lmforge.cli.main", "sweep", config, *SHORT, "train.save_every=3"]
+    first = subprocess.Popen(
+        [*command, "--space", str(space), *options],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as under a shell's job control
+    )
+    _wait_for(lambda: (trial_dir / "checkpoints" / "step-3").is_dir())
+    os.killpg(first.pid, signal.SIGTERM)
+    first_output = first.communicate(timeout=300)[0]
+    # Run again at once, as a user or a scheduler's requeue does.
+    again = run_cli("sweep", config, *SHORT, "train.save_every=3", "--space", str(space), *options)
+    assert again.returncode == 0, first_output[-2000:] + again.stdout[-3000:] + again.stderr[-3000:]
+    assert "trial 0 was interrupted: queued again" in again.stdout
+    stop = [e for e in events_of(trial_dir) if e["kind"] == "signal"]
+    assert len(stop) == 1, events_of(trial_dir)
+    checkpoint = stop[0]["step"]
+    log = (trial_dir.parent / "logs" / "trial-0000.log").read_text()
+    assert "exiting now, without a checkpoint" not in log
+    assert f"resuming from {trial_dir / 'checkpoints' / f'step-{checkpoint}'}" in log, log[-3000:]
+    # metrics.jsonl: the first launch's steps up to the checkpoint, then the retry's from the next.
+    steps = [r["step"] for r in metrics_of(trial_dir)]
+    assert steps == sorted(set(steps)) and steps[:2] == [0, 1] and steps[-1] == 12
+    assert checkpoint in steps and checkpoint >= 3
+    assert [e["kind"] for e in events_of(trial_dir)][-1] == "finished"
+
+
+def _study_of(url: str, sampler: str, seed: int = 0) -> optuna.Study:
+    from lmforge.sweep import study as studies
+
+    return studies.open_study(
+        studies.open_storage(url),
+        "base",
+        direction="minimize",
+        metric="eval_loss",
+        space_keys=["x", "n"],
+        sampler=studies.make_sampler(sampler, seed, {"x": [0.1, 0.2, 0.3], "n": [1, 2]}),  # type: ignore[arg-type]
+        pruner=optuna.pruners.NopPruner(),
+    )
+
+
+def _drawer(sampler: str):  # type: ignore[no-untyped-def]
+    """A stand-in for training: the values drawn are what is checked."""
+
+    def draw(trial: optuna.Trial) -> float:
+        if sampler == "grid":
+            return trial.suggest_categorical("x", [0.1, 0.2, 0.3]) * trial.suggest_categorical("n", [1, 2])
+        return trial.suggest_float("x", 1e-5, 1e-1, log=True) * trial.suggest_int("n", 0, 10**6)
+
+    return draw
+
+
+@pytest.mark.parametrize("sampler", ["random", "tpe", "grid"])
+def test_a_rerun_sweep_and_a_second_process_never_draw_the_same_values(tmp_path: Path, sampler: str) -> None:
+    """The sampler used to be seeded with run.seed in every process: a killed sweep run again drew
+    trial 0's values for trial 3, and two sweeps on one study drew the same values side by side."""
+    url, _draw = f"sqlite:///{tmp_path / 'study.db'}", _drawer(sampler)
+    _study_of(url, sampler).optimize(_draw, n_trials=2)  # a sweep, killed after two trials
+    _study_of(url, sampler).optimize(_draw, n_trials=2)  # the same sweep run again
+    beside = [_study_of(url, sampler), _study_of(url, sampler)]  # two processes, both seeded alike
+    for study in beside:
+        study.optimize(_draw, n_trials=1)
+    params = [tuple(sorted(t.params.items())) for t in load_study(tmp_path).trials]
+    assert len(params) == 6 and len(set(params)) == 6, params
+    # The same seed and history give the same values: a sweep stays reproducible.
+    again = tmp_path / "again"
+    again.mkdir()
+    _study_of(f"sqlite:///{again / 'study.db'}", sampler).optimize(_draw, n_trials=2)
+    assert [t.params for t in load_study(again).trials] == [t.params for t in load_study(tmp_path).trials[:2]]
+
+
+def test_the_trial_budget_counts_running_and_queued_trials_of_every_process(tmp_path: Path) -> None:
+    """--trials is the study's total: another process's running trials count, a queued retry is
+    asked for (that runs it), and a trial asked for beyond the total is not trained."""
+    from lmforge.sweep import study as studies
+
+    study = _study_of(f"sqlite:///{tmp_path / 'study.db'}", "random")
+    study.optimize(_drawer("random"), n_trials=1)  # complete
+    elsewhere = study.ask()  # running in another sweep
+    assert studies.trials_to_ask(study, 4) == 2
+    study.tell(elsewhere, state=optuna.trial.TrialState.FAIL)  # interrupted: a retry is queued
+    study.enqueue_trial(elsewhere.params)
+    assert studies.trials_to_ask(study, 4) == 3  # the retry and the two missing trials
+    retry = study.ask()  # a queued trial is popped first
+    assert retry.params == elsewhere.params
+    last, extra = study.ask(), study.ask()  # two sweeps ask for the third trial of 3 at once
+    assert not studies.over_budget(study, retry.number, 3)
+    assert not studies.over_budget(study, last.number, 3)
+    assert studies.over_budget(study, extra.number, 3)
+
+
+def test_a_trial_reporting_to_a_study_that_already_ended_it_still_checkpoints(tmp_path: Path) -> None:
+    """A killed sweep's trial finishes its step while the re-run fails it in the study (to queue its
+    retry): its evaluation report used to raise UpdateFinishedTrialError before the checkpoint was
+    written, so the retry started from scratch."""
+    from transformers import TrainerControl, TrainerState
+
+    from lmforge.sweep.pruning import PruningReport
+    from lmforge.sweep.trial import TrialSpec
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    study = _study_of(url, "random")
+    trial = study.ask()
+    study.tell(trial, state=optuna.trial.TrialState.FAIL)  # what the re-run does to a dead sweep's trial
+    spec = TrialSpec(url, "base", trial._trial_id, "eval_loss", str(tmp_path / "trial-0000"), "median", 2)
+    control = TrainerControl()
+    PruningReport(spec).on_evaluate(
+        None,  # type: ignore[arg-type]
+        TrainerState(global_step=4),
+        control,
+        metrics={"eval_loss": 2.5},
+    )
+    assert control.should_save and not control.should_training_stop  # the signal stops it, checkpointed
+    assert load_study(tmp_path).trials[0].intermediate_values == {}
+
+
+def test_a_rerun_waits_for_the_killed_sweeps_trial_to_write_its_checkpoint(tmp_path: Path) -> None:
+    """The sweep died (SIGKILL); its trial got SIGTERM and is still writing its checkpoint, holding
+    its run directory. The re-run used to queue the retry at once: the retry found the run
+    directory in use (refused, which stops the sweep) or started before the checkpoint was sealed."""
+    from lmforge.sweep import study as studies
+
+    study = _study_of(f"sqlite:///{tmp_path / 'study.db'}", "random")
+    trial = study.ask({"x": optuna.distributions.FloatDistribution(1e-5, 1e-1, log=True)})
+    run_dir = tmp_path / "trial-0000"
+    run_dir.mkdir()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    trial.set_user_attr(studies.OWNER, {"host": studies.owner_attr()["host"], "pid": int(dead.stdout)})
+    trial.set_user_attr("run_dir", str(run_dir))
+    # The trial's `lmforge train` holds its run lock for 3 more seconds (its checkpoint being written).
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from lmforge.train.run_lock import RunLock; "
+            "lock = RunLock(Path(sys.argv[1])); lock.acquire(); print('held', flush=True); time.sleep(3); lock.release()",
+            str(run_dir),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    said: list[str] = []
+    assert studies.recover_interrupted(study, said.append) == [0]
+    # The holder emptied its lock file on release: the retry was queued only after that.
+    assert (run_dir / ".lock").read_text() == "", (
+        "the retry was queued while the trial held its run directory"
+    )
+    holder.wait(timeout=30)
+    assert said == [f"trial 0 is still writing its checkpoint in {run_dir}: waiting for it"]
+    assert states(study) == ["FAIL", "WAITING"]

@@ -16,7 +16,7 @@ _STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 
 def doctor(
     run_dir: Path | None = typer.Argument(
-        None, help="A run directory (runs/<name>) to diagnose.", show_default=False
+        None, help="A run directory (runs/\\<name>) to diagnose.", show_default=False
     ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
 ) -> None:

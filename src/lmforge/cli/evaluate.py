@@ -55,7 +55,7 @@ def eval_command(
     out: Path = typer.Option(
         None,
         "--out",
-        help="Where to write the JSON summary [default: <model_dir>/eval.json].",
+        help="Where to write the JSON summary [default: \\<model_dir>/eval.json].",
         show_default=False,
     ),
     as_json: bool = typer.Option(False, "--json", help="Print only the JSON summary on stdout."),

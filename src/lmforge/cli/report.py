@@ -15,7 +15,7 @@ from lmforge.errors import UserInputError
 
 
 def report(
-    run_dir: Path = typer.Argument(..., help="A run directory (runs/<name>).", show_default=False),
+    run_dir: Path = typer.Argument(..., help="A run directory (runs/\\<name>).", show_default=False),
     out: Path | None = typer.Option(
         None, "--out", help="Where to write the page (default: RUN_DIR/report.html).", show_default=False
     ),

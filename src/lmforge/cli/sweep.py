@@ -17,7 +17,9 @@ def sweep(
         ..., "--space", help="YAML mapping config keys to {low, high, log} ranges or lists of choices."
     ),
     trials: int = typer.Option(
-        10, "--trials", help="Trials in the study, in all (a re-run only adds the missing ones)."
+        10,
+        "--trials",
+        help="Trials in the study in all, over every sweep sharing it (a re-run only adds the missing ones).",
     ),
     parallel: int = typer.Option(
         1, "--parallel", help="Trials at once on this machine (they share its cores)."

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from lmforge.config.cross_checks import cross_section_problems
 from lmforge.config.redact import remember_config_secrets
 from lmforge.config.schema import LmforgeConfig
+from lmforge.config.yaml_bounds import check_expanded_size, load_yaml_bounded
 from lmforge.errors import UserInputError
 
 KeyPath = tuple[str, ...]
@@ -145,6 +146,7 @@ def _read_yaml_with_lines(path: Path) -> tuple[dict[str, Any], dict[KeyPath, int
     node: yaml.Node | None = None
     try:
         node = loader.get_single_node()
+        check_expanded_size(node, str(path))
         data = loader.construct_document(node) if node is not None else None
     except DuplicateKeyError as err:
         raise UserInputError(
@@ -197,7 +199,7 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
     if not sep or not key or any(not part for part in key.split(".")):
         raise UserInputError(f"bad override {override!r}: write dotted.key=value, for example train.lr=1e-4")
     try:
-        value = yaml.safe_load(value_text) if value_text != "" else ""
+        value = load_yaml_bounded(value_text, f"override {key}") if value_text != "" else ""
     except yaml.YAMLError:
         value = value_text
     node: Any = raw

@@ -12,7 +12,7 @@ uses LLaMA-Factory's role names, e.g. `columns: {prompt: question, response: ans
 | alpaca | prompt (instruction), query (input), response (output), system (system), history (history) |
 | sharegpt | messages (conversations), system (system), tools (tools); tags: see `conversation_formats` |
 | messages | messages (messages), tools (tools), role_tag (role), content_tag (content) |
-| preference | chosen (chosen), rejected (rejected) + the prompt in alpaca, sharegpt or messages layout |
+| preference | chosen (chosen), rejected (rejected) + the prompt in alpaca, sharegpt or messages layout, or TRL's rows: prompt (prompt; a string or messages), or none when chosen / rejected are whole conversations |
 | kto | kto_tag (kto_tag, else label) + a conversation in alpaca, sharegpt or messages layout |
 """
 
@@ -88,6 +88,8 @@ def detect_format(keys: Collection[str], file: str, columns: Mapping[str, str] |
     tasks = [
         t for t, needs in (("preference", {"chosen", "rejected"}), ("kto", {"kto_tag"})) if needs <= present
     ]
+    if not layouts and tasks == ["preference"]:
+        layouts = ["alpaca"]  # TRL's {prompt, chosen, rejected} or prompt-less {chosen, rejected} rows
     if "label" in present and "kto_tag" not in present:
         tasks.append("kto")
     problem = None
@@ -182,9 +184,20 @@ def build_row_format(
     if requested == "alpaca":
         _check_alpaca_columns(columns, first_keys, file)
     merged = {**defaults, **columns}
+    if task == "preference" and layout == "alpaca" and "prompt" not in columns:
+        merged["prompt"] = _trl_prompt_column(first_keys, merged["prompt"])
     if layout == "alpaca" and "query" not in columns and merged["query"] == merged["prompt"]:
         merged["query"] = ""  # the prompt is read from alpaca's default input column: no second input
     return RowFormat(layout, task, merged)
+
+
+def _trl_prompt_column(first_keys: Collection[str], alpaca_prompt: str) -> str:
+    """The prompt column of preference rows without alpaca's `instruction`: TRL's `prompt` (a string
+    or a list of messages), or "" for TRL's implicit-prompt rows, whose chosen and rejected are whole
+    conversations that share the prompt turns."""
+    if not first_keys or alpaca_prompt in first_keys:
+        return alpaca_prompt
+    return "prompt" if "prompt" in first_keys else ""
 
 
 def _check_alpaca_columns(columns: Mapping[str, str], first_keys: Collection[str], file: str) -> None:

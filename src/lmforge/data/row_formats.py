@@ -37,7 +37,7 @@ from lmforge.data.examples import (
     Origin,
     PreferencePair,
 )
-from lmforge.data.format_detection import RowFormat
+from lmforge.data.format_detection import LAYOUT_COLUMNS, RowFormat
 
 
 def read_row(data: Any, origin: Origin, row_format: RowFormat, raw: str = "") -> Example | BadRow:
@@ -61,6 +61,13 @@ def _read_example(row: dict[str, Any], origin: Origin, fmt: RowFormat) -> Exampl
     cols = fmt.columns
     tools = parse_tools(row.get(cols["tools"]), repr(cols["tools"])) if "tools" in cols else None
     if fmt.task == "preference":
+        if fmt.layout == "alpaca" and not cols["prompt"]:
+            return _implicit_prompt_pair(row, cols, origin, tools)
+        if fmt.layout == "alpaca" and isinstance(decode_json_field(row.get(cols["prompt"]), list), list):
+            # TRL's conversational rows: the prompt is a list of {role, content} messages.
+            fmt = RowFormat(
+                "messages", "preference", {**LAYOUT_COLUMNS["messages"], **cols, "messages": cols["prompt"]}
+            )
         prompt = _conversation(row, fmt, final="user")
         chosen = _answer(row, cols["chosen"], fmt)
         rejected = _answer(row, cols["rejected"], fmt)
@@ -107,6 +114,28 @@ def _check_final_turn(messages: list[Message], column: str, final: str) -> None:
         )
 
 
+def _implicit_prompt_pair(
+    row: dict[str, Any], cols: Mapping[str, str], origin: Origin, tools: list[dict[str, Any]] | None
+) -> PreferencePair:
+    """TRL's implicit-prompt row: chosen and rejected are whole conversations; the turns they share
+    are the prompt and each must end in one assistant turn of its own."""
+    chosen = openai_messages(decode_json_field(_required(row, cols["chosen"]), list), cols["chosen"])
+    rejected = openai_messages(decode_json_field(_required(row, cols["rejected"]), list), cols["rejected"])
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    for column, turns in ((cols["chosen"], chosen), (cols["rejected"], rejected)):
+        if len(turns) != shared + 1 or turns[-1].role != "assistant":
+            raise RowError(
+                WRONG_ROLE_ORDER,
+                f"{column!r} must be the shared prompt turns followed by one assistant answer (TRL's "
+                f"implicit-prompt rows); it has {len(turns) - shared} turn(s) after the {shared} shared ones",
+            )
+    prompt = chosen[:shared]
+    _check_final_turn(prompt, f"{cols['chosen']} and {cols['rejected']} (shared turns)", "user")
+    return PreferencePair(prompt, chosen[-1], rejected[-1], origin, tools=tools)
+
+
 def _alpaca_messages(row: dict[str, Any], cols: Mapping[str, str], with_response: bool) -> list[Message]:
     messages: list[Message] = []
     system = _optional_text(row, cols["system"])
@@ -142,6 +171,8 @@ def _history(row: dict[str, Any], column: str) -> list[Any]:
 def _answer(row: dict[str, Any], column: str, fmt: RowFormat) -> Message:
     """A chosen/rejected answer: a string, or one turn in the row's layout."""
     value = decode_json_field(_required(row, column), dict)
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]  # TRL's conversational rows: a list holding the one assistant turn
     if isinstance(value, str):
         return Message("assistant", require_text(value, repr(column)))
     if not isinstance(value, dict):

@@ -4,6 +4,7 @@ to the Optuna study and the pruner is asked whether to stop (`sweep/trial.py` is
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from lmforge.monitor.events import EventLog
 from lmforge.run_layout import RunPaths
 from lmforge.sweep.trial import ENV, TrialSpec
+
+log = logging.getLogger(__name__)
 
 
 class PruningReport(TrainerCallback):
@@ -44,7 +47,19 @@ class PruningReport(TrainerCallback):
             return
         if self.spec.metric not in metrics:
             return  # the parent fails the trial, naming the metrics there are
-        self.trial.report(float(metrics[self.spec.metric]), state.global_step)
+        try:
+            self.trial.report(float(metrics[self.spec.metric]), state.global_step)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            # The study already ended this trial: its sweep died (this process got SIGTERM with it and
+            # stops at this step) and a re-run failed the trial to queue it again. The retry resumes
+            # this run's checkpoint: save it whatever the study says, never crash before it is sealed.
+            log.warning(
+                "trial %d is no longer running in the study (its sweep was stopped): checkpoint at step %d",
+                self.trial.number,
+                state.global_step,
+            )
+            control.should_save = True
+            return
         if self.trial.should_prune():
             control.should_training_stop = True
             self.events.emit(

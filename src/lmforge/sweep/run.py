@@ -12,14 +12,17 @@ Layout of a sweep directory (default <run.output_dir>/<run.name>-sweep):
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import logging
 import os
+import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any, Literal
 
 import optuna
@@ -34,10 +37,9 @@ from lmforge.config.schema import lower_is_better
 from lmforge.errors import UserInputError
 from lmforge.sweep import study as studies
 from lmforge.sweep.space import SearchSpace, load_space, override
-from lmforge.sweep.trial import TrialResult, TrialSpec, run_trial, train_command
+from lmforge.sweep.trial import TrialResult, TrialSpec, run_trial, stop_running_trials, train_command
 
 log = logging.getLogger(__name__)
-COUNTED = (TrialState.COMPLETE, TrialState.PRUNED)  # what the trial budget counts
 
 
 @dataclass
@@ -95,33 +97,59 @@ def run_sweep(
         sampler=studies.make_sampler(options.sampler, cfg.run.seed, grid),
         pruner=studies.make_pruner(options.pruner, options.prune_after),
     )
-    recovered = studies.recover_interrupted(study)
+    recovered = studies.recover_interrupted(study, say)
     for number in recovered:
         say(f"trial {number} was interrupted: queued again with the same values (it resumes its checkpoint)")
-    remaining = options.trials - studies.finished_count(study)
+    remaining = studies.trials_to_ask(study, options.trials)
     if remaining > 0:
         say(
             f"sweep {study.study_name}: {remaining} more trial(s) of {options.trials}, {options.parallel} at a time; "
             f"{direction} {metric}; study in {url if options.storage else directory / 'study.db'}"
         )
         objective = _Objective(config, overrides, space, directory, url, metric, options, say)
-        study.optimize(
-            objective,
-            n_trials=remaining,
-            timeout=options.timeout_s,
-            n_jobs=options.parallel,
-            catch=(TrialFailed,),
-            callbacks=[MaxTrialsCallback(options.trials, states=COUNTED)],
-        )
+        with _signals_stop_trials():
+            study.optimize(
+                objective,
+                n_trials=remaining,
+                timeout=options.timeout_s,
+                n_jobs=options.parallel,
+                catch=(TrialFailed,),
+                # Stops asking once the study holds --trials, counting other processes' running ones.
+                callbacks=[MaxTrialsCallback(options.trials, states=studies.BUDGET)],
+            )
         if objective.stopped is not None:
             raise objective.stopped
     else:
-        say(f"sweep {study.study_name}: all {options.trials} trials are done")
+        running = len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING)))
+        say(
+            f"sweep {study.study_name}: all {options.trials} trials are done"
+            + (f" or running elsewhere ({running} running)" if running else "")
+        )
     trial_dirs = {t.number: directory / trial_dir_name(studies.original_number(t)) for t in study.trials}
     best_config = _write_best_config(study, config, overrides, space, directory, cfg)
     _write_summary(study, trial_dirs, directory / "summary.csv")
     page = _write_page(study, directory, metric, trial_dirs)
     return SweepResult(directory, study, metric, trial_dirs, best_config, page, recovered)
+
+
+@contextlib.contextmanager
+def _signals_stop_trials() -> Iterator[None]:
+    """SIGTERM and SIGINT to the sweep: each running trial is asked once to checkpoint and exit, and
+    the sweep records it as interrupted once it has (a re-run resumes it). Main thread only."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        stop_running_trials()
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _check_sweepable(cfg: LmforgeConfig, options: SweepOptions) -> None:
@@ -161,7 +189,7 @@ class _Objective:
     ) -> None:
         self.config, self.overrides, self.space = config, overrides, space
         self.directory, self.storage_url, self.metric = directory, storage_url, metric
-        self.pruner, self.prune_after = options.pruner, options.prune_after
+        self.pruner, self.prune_after, self.trials = options.pruner, options.prune_after, options.trials
         parallel = options.parallel
         self.threads = max(1, (os.cpu_count() or 1) // parallel) if parallel > 1 else None
         self.say = say
@@ -169,6 +197,12 @@ class _Objective:
         self.stopped: SweepStopped | None = None
 
     def __call__(self, trial: optuna.Trial) -> float:
+        if studies.over_budget(trial.study, trial.number, self.trials):
+            trial.set_user_attr(studies.OVER_BUDGET, True)
+            trial.study.stop()
+            raise TrialFailed(
+                f"not run: the study already has its {self.trials} trials (another sweep asked at the same time)"
+            )
         params = {key: _suggest(trial, key, dist) for key, dist in self.space.distributions.items()}
         trial.set_user_attr(studies.OWNER, studies.owner_attr())
         frozen = trial.study.get_trials(deepcopy=False)[trial.number]

@@ -12,6 +12,7 @@ config error naming the key, not a failed trial.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from optuna.distributions import (
 )
 
 from lmforge.config import load_config
+from lmforge.config.yaml_bounds import load_yaml_bounded
 from lmforge.errors import UserInputError
 
 RANGE_KEYS = {"low", "high", "log", "step"}
@@ -67,7 +69,7 @@ def load_space(path: Path, config: Path, base_overrides: list[str]) -> SearchSpa
             f"--space: {path} does not exist; write a YAML file mapping config keys to ranges"
         )
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_yaml_bounded(path.read_text(), str(path))
     except yaml.YAMLError as err:
         raise UserInputError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(raw, dict) or not raw:
@@ -105,10 +107,13 @@ def _distribution(path: Path, key: str, spec: Any) -> BaseDistribution:
             f"{where}: a range has low and high (and optionally log: true, step); "
             + (f"unknown {unknown}" if unknown else "low or high is missing")
         )
-    low, high, log, step = spec["low"], spec["high"], bool(spec.get("log", False)), spec.get("step")
+    low, high, step = _number(spec["low"]), _number(spec["high"]), _number(spec.get("step"))
+    log = bool(spec.get("log", False))
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high))
     if not numbers:
         raise UserInputError(f"{where}: low and high must be numbers, got {low!r} and {high!r}")
+    if step is not None and not (isinstance(step, (int, float)) and not isinstance(step, bool) and step > 0):
+        raise UserInputError(f"{where}: step must be a positive number, got {step!r}")
     if not low < high:
         raise UserInputError(f"{where}: low ({low}) must be below high ({high})")
     if log and low <= 0:
@@ -118,6 +123,18 @@ def _distribution(path: Path, key: str, spec: Any) -> BaseDistribution:
     if isinstance(low, int) and isinstance(high, int):
         return IntDistribution(low, high, log=log, step=int(step or 1))
     return FloatDistribution(float(low), float(high), log=log, step=float(step) if step else None)
+
+
+def _number(value: Any) -> Any:
+    """A number written as people write learning rates: YAML 1.1 reads `1e-6` (no dot) as a string,
+    which the config itself accepts as a float (`train.lr: 1e-4`); so does the space."""
+    if not isinstance(value, str):
+        return value
+    try:
+        number = float(value)
+    except ValueError:
+        return value  # not a number: refused by the caller, naming the value
+    return number if math.isfinite(number) else value
 
 
 def _extremes(dist: BaseDistribution) -> list[Any]:

@@ -11,20 +11,26 @@ are failed and queued by Optuna's heartbeat once they stop beating.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
+import threading
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import optuna
 import sqlalchemy
+from optuna.distributions import BaseDistribution
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from optuna.trial import FrozenTrial, TrialState
 
 from lmforge.ckpt.atomic import holding_lock
 from lmforge.errors import UserInputError
+from lmforge.train.run_lock import LOCK_NAME
 
 # Optuna marks its heartbeat and retry API experimental; it is the documented way to recover
 # trials, and the warnings are no action for a user. Optuna's own per-trial INFO lines repeat
@@ -37,8 +43,10 @@ Pruner = Literal["median", "hyperband", "none"]
 HEARTBEAT_SECONDS = 30
 GRACE_SECONDS = 120  # a trial whose owner has not beaten for this long is failed and retried
 MAX_RETRIES = 3
+TRIAL_EXIT_SECONDS = 600  # how long a re-run waits for a killed sweep's trial to write its checkpoint
 OWNER = "owner"  # user attribute: {"host", "pid"} of the sweep process running the trial
 INTERRUPTED = "interrupted"  # user attribute of a trial stopped by a signal (retried next time)
+OVER_BUDGET = "over_budget"  # user attribute of a trial asked for beyond --trials (failed, never trained)
 
 
 def default_storage(sweep_dir: Path) -> str:
@@ -91,12 +99,66 @@ def _without_password(url: str) -> str:
 def make_sampler(
     name: Sampler, seed: int, grid: dict[str, list[object]] | None
 ) -> optuna.samplers.BaseSampler:
-    if name == "random":
-        return optuna.samplers.RandomSampler(seed=seed)
+    """The sweep's sampler. Random and TPE draw for each trial with its own seed (TrialSeededSampler).
+    Grid: Optuna's GridSampler already gives grid point N to trial N, in every process; its order of
+    the points comes from the seed, which must therefore be the same everywhere."""
     if name == "grid":
         assert grid is not None
         return optuna.samplers.GridSampler(grid, seed=seed)  # type: ignore[arg-type]
-    return optuna.samplers.TPESampler(seed=seed)
+    if name == "random":
+        return TrialSeededSampler(lambda trial_seed: optuna.samplers.RandomSampler(seed=trial_seed), seed)
+    return TrialSeededSampler(lambda trial_seed: optuna.samplers.TPESampler(seed=trial_seed), seed)
+
+
+class TrialSeededSampler(optuna.samplers.BaseSampler):
+    """An Optuna sampler whose random draws for trial N are seeded from (run.seed, N).
+
+    One sampler seeded once with run.seed repeats itself in every process that opens the study: a
+    killed sweep run again drew its first trial's values again, and two sweeps sharing a study drew
+    the same values side by side. Trial numbers are handed out by the study's database, unique across
+    processes and machines, so seeding each trial from its number never repeats a draw and keeps a
+    sweep reproducible (the same seed and history give the same values). Everything else (TPE's model
+    of the finished trials) is the wrapped Optuna sampler's own, one instance per trial."""
+
+    def __init__(self, make: Callable[[int], optuna.samplers.BaseSampler], seed: int) -> None:
+        self._make, self._seed = make, seed
+        self._by_trial: dict[int, optuna.samplers.BaseSampler] = {}
+        self._lock = threading.Lock()  # --parallel: trials ask from several threads
+
+    def _sampler(self, trial: FrozenTrial) -> optuna.samplers.BaseSampler:
+        with self._lock:
+            if trial.number not in self._by_trial:
+                seed = int(np.random.SeedSequence([self._seed, trial.number]).generate_state(1)[0])
+                self._by_trial[trial.number] = self._make(seed)
+            return self._by_trial[trial.number]
+
+    def infer_relative_search_space(
+        self, study: optuna.Study, trial: FrozenTrial
+    ) -> dict[str, BaseDistribution]:
+        return self._sampler(trial).infer_relative_search_space(study, trial)
+
+    def sample_relative(
+        self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
+    ) -> dict[str, Any]:
+        return self._sampler(trial).sample_relative(study, trial, search_space)
+
+    def sample_independent(
+        self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
+    ) -> Any:
+        return self._sampler(trial).sample_independent(study, trial, param_name, param_distribution)
+
+    def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        self._sampler(trial).before_trial(study, trial)
+
+    def after_trial(
+        self, study: optuna.Study, trial: FrozenTrial, state: TrialState, values: Sequence[float] | None
+    ) -> None:
+        self._sampler(trial).after_trial(study, trial, state, values)
+        with self._lock:
+            self._by_trial.pop(trial.number, None)
+
+    def reseed_rng(self) -> None:
+        """Optuna reseeds a sampler per thread (--parallel) from the OS: each trial has its own seed."""
 
 
 def make_pruner(name: Pruner, startup_trials: int) -> optuna.pruners.BasePruner:
@@ -152,10 +214,11 @@ def owner_attr() -> dict[str, object]:
     return {"host": socket.gethostname(), "pid": os.getpid()}
 
 
-def recover_interrupted(study: optuna.Study) -> list[int]:
+def recover_interrupted(study: optuna.Study, say: Callable[[str], None] = print) -> list[int]:
     """Queue again, with the same parameters, every trial a stopped or killed sweep left unfinished:
     running trials whose owner process on this host is gone, and trials failed by a signal.
-    Returns their numbers. Finished trials are never repeated."""
+    Returns their numbers. Finished trials are never repeated. A trial process still alive (its
+    sweep died, it is writing its checkpoint) is waited for: the retry resumes that checkpoint."""
     retried = {RetryHeartbeatStaleTrialCallback.retried_trial_number(t) for t in study.trials}
     recovered: list[int] = []
     for trial in study.get_trials(deepcopy=False):
@@ -165,9 +228,32 @@ def recover_interrupted(study: optuna.Study) -> list[int]:
             study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
         elif not (trial.state == TrialState.FAIL and trial.user_attrs.get(INTERRUPTED)):
             continue
+        _wait_for_trial_process(trial, say)
         RetryHeartbeatStaleTrialCallback(max_retry=MAX_RETRIES)(study, study.trials[trial.number])
         recovered.append(trial.number)
     return recovered
+
+
+def _wait_for_trial_process(trial: FrozenTrial, say: Callable[[str], None]) -> None:
+    """Until the trial's `lmforge train` has let go of its run directory's lock (train/run_lock.py:
+    held for the run's whole life, released by the kernel however it ends)."""
+    run_dir = trial.user_attrs.get("run_dir")
+    lock = Path(str(run_dir)) / LOCK_NAME if run_dir else None
+    if lock is None or not lock.is_file():
+        return
+    with lock.open("a") as handle:
+        deadline, told = time.monotonic() + TRIAL_EXIT_SECONDS, False
+        while time.monotonic() < deadline:  # past it, the retry names the process holding the run
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not told:
+                    say(f"trial {trial.number} is still writing its checkpoint in {run_dir}: waiting for it")
+                    told = True
+                time.sleep(0.5)
+                continue
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+            return
 
 
 def _owner_is_gone(trial: FrozenTrial) -> bool:
@@ -189,5 +275,23 @@ def original_number(trial: FrozenTrial) -> int:
     return history[0] if history else trial.number
 
 
-def finished_count(study: optuna.Study) -> int:
-    return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
+# What `--trials` counts: trials finished, running (in this process or another) or queued. A failed
+# trial does not count: an interrupted one is queued again, another failure is replaced by a re-run.
+BUDGET = (TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED)
+
+
+def trials_to_ask(study: optuna.Study, trials: int) -> int:
+    """How many trials this sweep asks the study for: the ones missing from `--trials`, the study's
+    total, plus the queued retries (asking is what runs them). Stale trials of dead machines are
+    failed first (Optuna's heartbeat) so that they are queued again rather than counted."""
+    optuna.storages.fail_stale_trials(study)
+    started = (TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED)
+    return trials - len(study.get_trials(deepcopy=False, states=started))
+
+
+def over_budget(study: optuna.Study, number: int, trials: int) -> bool:
+    """Whether trial `number` is beyond the study's `trials`: two sweeps that each saw one trial
+    missing both asked for it. The database numbers trials in the order they were asked for, so
+    the earlier one runs and the later one is not trained."""
+    ahead = [t for t in study.get_trials(deepcopy=False, states=BUDGET) if t.number < number]
+    return len(ahead) >= trials

@@ -49,29 +49,59 @@ class TrialResult:
     message: str = ""
 
 
+# The trials this sweep process runs now: a signal to the sweep is passed on to them once.
+_RUNNING: dict[int, subprocess.Popen[bytes]] = {}
+_STOPPED: set[int] = set()  # pids already sent their SIGTERM
+_STOP_WAIT_SECONDS = 300  # a trial asked to stop finishes its step and writes its checkpoint
+
+
 def run_trial(command: list[str], spec: TrialSpec, log_path: Path, threads: int | None) -> TrialResult:
-    """Run one trial's `lmforge train` to its end and say how it ended."""
+    """Run one trial's `lmforge train` to its end and say how it ended.
+
+    The trial runs in its own session: a signal to the sweep's process group (Ctrl-C, `kill -- -PGID`,
+    a scheduler) reaches the sweep only, which passes one SIGTERM on (`stop_running_trials`). Two
+    signals would stop the trial at once without a checkpoint, as lmforge's second signal does."""
     env = {**os.environ, ENV: spec.to_env()}
     if threads is not None:  # K trials at once share the cores instead of oversubscribing them
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("a") as log:
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_stop_with_parent
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_stop_with_parent,
         )
+        _RUNNING[process.pid] = process
         try:
             code = process.wait()
         except BaseException:
-            # Ctrl-C reached the trial too (one process group): it checkpoints and exits by itself.
-            # Anything else: ask it to, with the signal lmforge checkpoints on.
-            try:
-                process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                process.send_signal(signal.SIGTERM)
-                with contextlib.suppress(Exception):
-                    process.wait(timeout=300)
+            # The sweep was interrupted: the trial checkpoints and exits (its checkpoint is sealed
+            # before the sweep records the trial as interrupted, and before a re-run retries it).
+            _stop(process)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=_STOP_WAIT_SECONDS)
             raise
+        finally:
+            _RUNNING.pop(process.pid, None)
+            _STOPPED.discard(process.pid)
     return _result(code, Path(spec.run_dir), spec.metric, log_path)
+
+
+def stop_running_trials() -> None:
+    """Ask every trial of this process to checkpoint and exit (SIGTERM, once each); safe in a signal
+    handler: no lock, each trial's own thread waits for it."""
+    for process in list(_RUNNING.values()):
+        _stop(process)
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None and process.pid not in _STOPPED:
+        _STOPPED.add(process.pid)
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGTERM)
 
 
 def _stop_with_parent() -> None:
