@@ -87,8 +87,13 @@ def test_dry_run_torchrun_single_node(tmp_path: Path, corpus: Path) -> None:
     assert words[-5:] == ["-m", "lmforge.cli.main", "train", str(cfg), "train.lr=1e-3"]
     got = flags(words)
     assert got["--nnodes"] == "1" and got["--nproc-per-node"] == "2"
-    assert got["--master-addr"] == "127.0.0.1" and got["--master-port"] == "29500"
-    assert got["--node-rank"] == "0" and float(got["--monitor-interval"]) <= 0.5
+    # No --master-port on one node: torchrun's standalone rendezvous binds a free port itself (two
+    # launches on one machine collided on 29500).
+    assert "--standalone" in words and "--master-port" not in got and "--node-rank" not in got
+    assert float(got["--monitor-interval"]) <= 0.5
+    words = dry_run(cfg, "--nproc-per-node", "2", "--master-port", "29411")
+    assert (flags(words)["--master-port"], flags(words)["--node-rank"]) == ("29411", "0")
+    assert "--standalone" not in words
     assert not (tmp_path / "runs" / "run").exists()
 
 
@@ -138,7 +143,9 @@ def test_dry_run_deepspeed(tmp_path: Path, corpus: Path) -> None:
     assert words[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"]
     got = flags(words)
     assert (got["--num_gpus"], got["--num_nodes"]) == ("2", "1")
-    assert (got["--master_addr"], got["--master_port"]) == ("127.0.0.1", "29500")
+    assert got["--master_addr"] == "127.0.0.1"  # and a port free when planned (a port-0 search)
+    with socket.socket() as sock:
+        sock.bind(("", int(got["--master_port"])))
     # --backend deepspeed over a config that leaves the strategy to auto: the DeepSpeed engine too.
     assert words[-5:] == ["--module", "lmforge.cli.main", "train", str(cfg), "distributed.strategy=deepspeed"]
 
@@ -322,18 +329,78 @@ def test_help_has_an_example() -> None:
 # -- real launches (gloo on CPU) --------------------------------------------------------------
 
 
+def test_a_torch_dcp_error_of_a_worker_is_named_not_no_error_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch DCP's CheckpointException (a failed load on any rank) is a BaseException: torchrun's
+    `record` did not write it, and the launcher said "no error recorded" though the rank printed it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from lmforge.distributed.worker_failures import record_worker_errors
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+
+    @record_worker_errors
+    def resume_from(directory: Path) -> None:
+        dcp.load({"weight": torch.zeros(2)}, checkpoint_id=str(directory), no_dist=True)
+
+    with pytest.raises(dcp.api.CheckpointException):
+        resume_from(tmp_path / "pytorch_model_fsdp_0")
+    failure = ProcessFailure(local_rank=1, pid=10, exitcode=1, error_file=str(error_file))
+    (line,) = failure_lines(ChildFailedError("train", {1: failure}))
+    assert line.startswith("rank 1 (local 1) failed with exit code 1: AssertionError: metadata is None;"), (
+        line
+    )
+    assert "pytorch_model_fsdp_0/.metadata" in line
+
+
 def assert_trained(run_dir: Path, steps: int) -> None:
     assert (run_dir / "final" / "config.json").is_file()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r][-1] == steps
 
 
+def listening_on(port: int) -> socket.socket | None:
+    """A socket listening on `port` of this machine, as another launch's store would; None when one
+    already does (the port is busy either way)."""
+    sock = socket.socket()
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        return None
+    sock.listen()
+    return sock
+
+
 def test_two_workers_train(tmp_path: Path, corpus: Path) -> None:
+    """Without --master-port, on a machine where another launch holds torchrun's default port."""
     cfg = write_config(tmp_path, corpus)
-    port = str(free_port())
-    result = run_cli("launch", str(cfg), "--nproc-per-node", "2", "--master-port", port, env=ENV, timeout=300)
+    busy = listening_on(29500)
+    try:
+        result = run_cli("launch", str(cfg), "--nproc-per-node", "2", env=ENV, timeout=300)
+    finally:
+        if busy is not None:
+            busy.close()
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "EADDRINUSE" not in result.stderr
     assert_trained(tmp_path / "runs" / "run", 6)
+
+
+def test_a_busy_master_port_is_refused_before_any_worker_starts(tmp_path: Path, corpus: Path) -> None:
+    cfg = write_config(tmp_path, corpus)
+    port = free_port()
+    busy = listening_on(port)
+    assert busy is not None
+    with busy:
+        result = run_cli("launch", str(cfg), "--nproc-per-node", "2", "--master-port", str(port), env=ENV)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"error: --master-port {port}: the port is in use on this machine" in result.stderr
+    assert "leave --master-port out" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "runs" / "run").exists()  # no worker started
 
 
 def test_deepspeed_launcher_trains(tmp_path: Path, corpus: Path) -> None:
@@ -366,6 +433,20 @@ def test_crashed_worker_ends_the_launch_naming_rank_and_error(tmp_path: Path, co
     )
 
 
+def workers_once_training(launcher: subprocess.Popen[str], metrics: Path) -> dict[str | None, psutil.Process]:
+    """The launch's worker processes by RANK, once the first step is logged."""
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert launcher.poll() is None, launcher.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no step logged"
+        time.sleep(0.2)
+    return {
+        p.environ().get("RANK"): p
+        for p in psutil.Process(launcher.pid).children(recursive=True)
+        if "train" in p.cmdline()
+    }
+
+
 def test_killed_worker_ends_the_launch_naming_rank_and_signal(tmp_path: Path, corpus: Path) -> None:
     cfg = write_config(tmp_path, corpus, max_steps=5000)
     metrics = tmp_path / "runs" / "run" / "metrics.jsonl"
@@ -374,16 +455,7 @@ def test_killed_worker_ends_the_launch_naming_rank_and_signal(tmp_path: Path, co
         cmd, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
-        deadline = time.monotonic() + 180
-        while not (metrics.exists() and metrics.read_text().strip()):
-            assert launcher.poll() is None, launcher.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no step logged"
-            time.sleep(0.2)
-        workers = {
-            p.environ().get("RANK"): p
-            for p in psutil.Process(launcher.pid).children(recursive=True)
-            if "train" in p.cmdline()
-        }
+        workers = workers_once_training(launcher, metrics)
         killed_at = time.monotonic()
         workers["1"].kill()
         _, stderr = launcher.communicate(timeout=FAILURE_TIMEOUT_S)
@@ -394,6 +466,47 @@ def test_killed_worker_ends_the_launch_naming_rank_and_signal(tmp_path: Path, co
     assert launcher.returncode == 128 + 9, stderr[-3000:]
     summary = stderr[stderr.index("error: distributed training failed") :]
     assert "rank 1 (local 1) failed with exit code -9 (killed by SIGKILL)" in summary.splitlines()[1], summary
+
+
+STALL_S = 5
+# stall_seconds, the watchdog's poll, the launcher's, DUMP_WAIT_S, the kill, with room for a busy machine.
+STALL_BOUND_S = STALL_S + 45
+
+
+def test_a_stopped_worker_ends_the_launch_with_every_ranks_stacks(tmp_path: Path, corpus: Path) -> None:
+    """A SIGSTOPped rank noticed nothing and the other waited in a collective: the launch ran on. Now it
+    ends (exit 1) soon after stall_seconds, naming the rank, with both ranks' stacks saved."""
+    cfg = write_config(tmp_path, corpus, max_steps=5000)
+    run_dir = tmp_path / "runs" / "run"
+    cmd = launch_cmd(str(cfg), f"monitor.guard.stall_seconds={STALL_S}", "--nproc-per-node", "2")
+    launcher = subprocess.Popen(
+        cmd, env={**os.environ, **ENV}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        workers = workers_once_training(launcher, run_dir / "metrics.jsonl")
+        stopped_at = time.monotonic()
+        workers["1"].suspend()  # SIGSTOP
+        _, stderr = launcher.communicate(timeout=STALL_BOUND_S + 60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for worker in psutil.Process().children(recursive=True):
+            if "train" in worker.cmdline():
+                worker.kill()
+    assert time.monotonic() - stopped_at < STALL_BOUND_S, stderr[-3000:]
+    assert launcher.returncode == 1, stderr[-3000:]
+    assert (
+        f"error: rank 1 stalled (stopped: SIGSTOP or a frozen process): no training progress for {STALL_S} s"
+        in stderr
+    )
+    assert f"every rank's stacks are in {run_dir / 'stacks'}" in stderr
+    # rank 0's own watchdog; rank 1's on the launcher's request (its watchdog may add one once continued)
+    for pattern in ("stall-rank0-*.txt", "stall-rank1-*-requested.txt"):
+        stacks = sorted((run_dir / "stacks").glob(pattern))
+        assert stacks, sorted(p.name for p in (run_dir / "stacks").iterdir())
+        text = stacks[0].read_text()
+        assert "Thread" in text and "File " in text, text[:2000]
+    assert not list((run_dir / "stacks").glob("requested-*"))
 
 
 def test_two_nodes_on_one_machine(tmp_path: Path, corpus: Path) -> None:

@@ -76,7 +76,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> dict[str, An
 
 def test_two_stages_train_the_same_curve_as_one_process(runs: dict[str, Any]) -> None:
     out = runs["out"]
-    assert "distributed: pp (2-D mesh data_shard=1 x pipeline=2) on 2 process(es)" in runs["stderr"]
+    assert (
+        "distributed: pp (2-D mesh data_shard=1 x pipeline=2; schedule 1f1b, 2 pipeline micro-batches per "
+        "micro-batch) on 2 process(es)" in runs["stderr"]
+    )
     assert_same_curve(out / "pp", out / "single", [1, 2, 3, 4], keys=("loss", "grad_norm"))
     assert_same_curve(out / "pp", out / "single", [2, 4], keys=("eval_loss",))
     # Each stage reads the whole batch, and the tokens are counted once per pipeline.
@@ -158,6 +161,7 @@ def test_interleaved_1f1b_runs_two_stages_per_rank_and_matches_one_process(runs:
     result = launch(write(out / "interleaved.yaml", settings), 2)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "rank 1 of 2 in its pipeline (2 stage(s) each)" in result.stderr
+    assert "schedule interleaved_1f1b, 4 pipeline micro-batches per micro-batch" in result.stderr
     assert_same_curve(out / "interleaved", out / "single", [1, 2, 3, 4], keys=("loss", "grad_norm"))
     # 4 stages of one layer: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3 (torch's loop order).
     index = json.loads((out / "interleaved" / "final" / "model.safetensors.index.json").read_text())[
@@ -214,14 +218,33 @@ def test_what_the_pipeline_cannot_run_is_refused_with_every_reason() -> None:
     ):
         assert expected in message, (expected, message)
     with pytest.raises(
-        UserInputError, match="micro_batch_size 1 is smaller than the 2 pipeline micro-batches"
+        UserInputError, match="micro_batch_size: 1 is smaller than the 2 pipeline micro-batches"
     ):
         _plan(2, train={"micro_batch_size": 1})
     plan = _plan(4, distributed={"strategy": "auto"})
+    assert plan.engine == "fsdp" and plan.describe_engine() == (
+        "fsdp x pp (2-D mesh data_shard=2 x pipeline=2; schedule 1f1b, 2 pipeline micro-batches per micro-batch)"
+    )
+    interleaved = {"pipeline_schedule": "interleaved_1f1b", "pipeline_microbatches": 4}
     assert (
-        plan.engine == "fsdp" and plan.describe_engine() == "fsdp x pp (2-D mesh data_shard=2 x pipeline=2)"
+        "schedule interleaved_1f1b, 4 pipeline micro-batches" in _plan(2, distributed=interleaved).describe()
     )
     assert plan.summary()["layout"]["pipeline"] == 2
+
+
+def test_a_batch_runs_on_the_configured_schedule_or_the_log_names_the_other() -> None:
+    """interleaved_1f1b used to become ScheduleLoopedBFS without a word; a configured micro-batch
+    count it cannot take is now refused at load (tests/test_layout.py), and a short last batch that
+    still cannot take it is named in the log."""
+    from lmforge.distributed.pipeline_parallel import _schedule_class, schedule_note
+
+    full = _schedule_class("interleaved_1f1b", 4, 2)
+    assert full.__name__ == "ScheduleInterleaved1F1B"
+    assert schedule_note("interleaved_1f1b", full, rows=4, chunks=4, ranks=2) is None
+    short = _schedule_class("interleaved_1f1b", 3, 2)  # the last batch of an epoch: 3 rows
+    note = schedule_note("interleaved_1f1b", short, rows=3, chunks=3, ranks=2)
+    assert note is not None and "interleaved_1f1b cannot take over 2 ranks" in note
+    assert "ScheduleLoopedBFS runs this batch" in note
 
 
 def test_a_flat_optimizer_checkpoint_is_told_apart(runs: dict[str, Any]) -> None:

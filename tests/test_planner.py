@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from lmforge.cli.main import app
 from lmforge.config.load import load_config
 from lmforge.distributed.estimate import estimate_memory
-from lmforge.distributed.planner import plan_layouts_for
+from lmforge.distributed.planner import overall_recommendation, plan_layouts_for
 
 GIB = 2**30
 
@@ -69,8 +69,13 @@ def test_an_architecture_without_a_tokenizer_is_estimated_with_its_default_vocab
         load_config(config)
 
 
-def test_the_data_only_layout_equals_the_fsdp_strategy_row() -> None:
-    cfg = _config(LLAMA_7B)
+@pytest.mark.parametrize(
+    "savers", [{}, {"chunked_cross_entropy": True}, {"checkpoint_every": 2}, {"activation_offload": True}]
+)
+def test_the_data_only_layout_equals_the_fsdp_strategy_row(savers: dict[str, Any]) -> None:
+    """One "fits" verdict: the planner's data-only row is the strategy table's FSDP row, memory savers
+    included (the planner used to ignore the chunked loss, selective checkpointing and offload)."""
+    cfg = _config(LLAMA_7B, **savers)
     estimate = estimate_memory(cfg, gpus=8, gpu_mem_bytes=80 * GIB, nodes=1)
     fsdp = next(r for r in estimate.strategies if r.strategy == "fsdp")
     data_only = _row(
@@ -108,7 +113,10 @@ def test_tensor_parallel_divides_weights_and_activations_and_pipelines_pay_a_bub
     )
     plan = _layouts(cfg, gpus=8, mem=None)
     one, two = _row(plan, tensor=1, context=1, pipeline=1), _row(plan, tensor=2, context=1, pipeline=1)
-    assert two["activations"] == pytest.approx(one["activations"] / 2, rel=1e-6)
+    # No sequence parallelism: the norms' inputs and outputs (4h a token) stay whole, the rest halves.
+    h, inter, s = 4096, 11008, 4096
+    assert one["activations"] == 32 * s * (7 * h + 2 * h + 4 * inter) * 2
+    assert two["activations"] == 32 * s * (4 * h + (3 * h + 2 * h + 4 * inter) // 2) * 2
     assert two["logits"] == one["logits"]  # transformers' plan gathers the head's logits on every rank
     staged = _row(plan, tensor=1, context=1, pipeline=2)
     assert staged["bubble"] == pytest.approx(1 / 9, abs=1e-4)  # (p - 1) / (m + p - 1), m = 8 micro-batches
@@ -120,7 +128,8 @@ def test_tensor_parallel_divides_weights_and_activations_and_pipelines_pay_a_bub
 
 
 def test_the_recommendation_follows_the_order_and_skips_what_does_not_fit() -> None:
-    cfg = _config(LLAMA_7B, gradient_checkpointing=False, micro_batch_size=2)
+    # Both memory levers already on: what is left to weigh is the layout order.
+    cfg = _config(LLAMA_7B, micro_batch_size=8, max_length=8192, chunked_cross_entropy=True)
     plan = _layouts(cfg, gpus=8, mem=None)
     data_only = _row(plan, tensor=1, context=1, pipeline=1)
     tp2 = _row(plan, tensor=2, context=1, pipeline=1)
@@ -152,7 +161,9 @@ def test_expert_parallel_degrees_divide_the_experts_of_an_moe_model() -> None:
     plan = _layouts(cfg, gpus=8, mem=None)
     assert {r["expert"] for r in plan["layouts"]} == {1, 2, 4}
     one, four = _row(plan, data=8, tensor=1, expert=1), _row(plan, data=8, tensor=1, expert=4)
-    assert four["parameters"] < one["parameters"]  # the experts are split four ways
+    # Four ways across the expert group, then FSDP2 over the 8 / 4 ranks holding the same experts:
+    # per rank the same slice of the experts' states as FSDP2 over all 8 (numbers: the qwen3_moe test).
+    assert four["gradients"] == one["gradients"] and four["optimizer"] == one["optimizer"]
     assert four["runnable"] and four["note"] == "fsdp x ep"  # experts over the data ranks
     both = _row(plan, data=4, tensor=2, expert=2)
     assert not both["runnable"] and "expert parallelism composes with data sharding only" in both["note"]
@@ -245,3 +256,156 @@ def test_strategy_auto_takes_context_parallelism_for_long_sequences_before_pipel
     # A stage context parallelism cannot split (a sequence's log-probabilities): no model parallelism.
     dpo = cfg.model_copy(update={"train": cfg.train.model_copy(update={"stage": "dpo"})})
     assert _model_parallel_choice(dpo, estimate, budget, 8) is None
+
+
+# Issue 33, item 6: Qwen3-30B-A3B's shape (128 experts, top-8, 48 layers, hidden 2048).
+QWEN3_MOE = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "vocab_size": 151936,
+}
+
+
+def test_expert_parallel_memory_of_a_30b_moe_matches_a_hand_calculation() -> None:
+    """Expert parallelism splits the experts e ways and FSDP2 shards each slice over the 8 / e ranks
+    that hold it (efsdp), not over all 8: per rank the experts' states stay 1/8 of them at every e.
+    Every term of the data 8 x expert e rows by hand, bf16 + AdamW, one 4,096-token sequence."""
+    cfg = _config(QWEN3_MOE)
+    h, kv, layers, experts, k, inter, vocab = 2048, 4 * 128, 48, 128, 8, 768, 151936
+    embedding = vocab * h  # input embeddings; the untied head holds as many
+    attention = h * 32 * 128 + 2 * h * kv + 32 * 128 * h + 2 * 128  # q, k, v, o and the q/k norms
+    expert_layer = experts * 3 * inter * h  # fused gate_up_proj and down_proj of one layer
+    dense = 2 * embedding + layers * (attention + experts * h + 2 * h) + h  # + router, 2 norms; final norm
+    total = dense + layers * expert_layer
+    estimate = estimate_memory(cfg, gpus=8, gpu_mem_bytes=80 * 10**9, nodes=1)
+    assert (estimate.model.total_params, estimate.model.expert_params) == (total, layers * expert_layer)
+    assert 30.4e9 < total < 30.6e9 and 28.9e9 < layers * expert_layer < 29.1e9
+    planned = plan_layouts_for(cfg, estimate)
+    plan = planned.to_dict()
+    tokens = 4096
+    # Checkpointing: 48 layer inputs, plus one layer recomputed whole: norms 4h, q h, k and v 2kv,
+    # attention output and copy 2h; router logits and probabilities 2E; per routed copy its input and
+    # output 2h and the expert's gate_up, silu and product 4I.
+    layer = tokens * (4 * h + 3 * h + 2 * kv + 2 * experts + k * (2 * h + 4 * inter)) * 2
+    activations = layers * tokens * h * 2 + layer
+    logits = tokens * vocab * (2 + 4 + 4 + 8)  # bf16 logits, fp32 upcast, log-softmax, 2 gradients
+    # FSDP2 gathers the largest module: a layer's experts (all of them at e = 1, 1/e while the 8 / e
+    # ranks of an expert slice still shard it); at e = 8 each rank holds its 16 experts whole.
+    gathered = {1: expert_layer, 2: max(expert_layer // 2, embedding), 8: embedding}
+    for e in (1, 2, 8):
+        row = _row(plan, data=8, tensor=1, context=1, pipeline=1, expert=e)
+        assert row["parameters"] == pytest.approx(2 * total / 8 + 4 * gathered[e], abs=1)
+        assert row["gradients"] == pytest.approx(4 * total / 8, abs=1)
+        assert row["optimizer"] == pytest.approx((4 + 8) * total / 8, abs=1)  # fp32 master + moments
+        assert row["activations"] == activations
+        assert row["logits"] == logits
+        assert row["total"] == pytest.approx(18 * total / 8 + 4 * gathered[e] + activations + logits, abs=4)
+        # 8 ranks together hold all 29.0B experts' fp32 gradients (108 GiB), whatever e is.
+        assert 8 * row["gradients"] >= 4 * layers * expert_layer
+    assert _row(plan, data=8, tensor=1, context=1, pipeline=1, expert=1)["total"] == pytest.approx(
+        next(r.total_gpu for r in estimate.strategies if r.strategy == "fsdp"), abs=4
+    )
+    # Issue 33 saw `data 8 x expert 2` recommended at 47.3 GiB: it needs 76 GiB of a 67 GiB budget.
+    assert not _row(plan, data=8, expert=2)["fits"]
+    assert plan["recommended"] is None  # even the chunked loss leaves data 8 at 69.9 GiB
+    verdict = overall_recommendation(estimate, planned)
+    assert (verdict.kind, verdict.name) == ("offload", "zero3+offload_optimizer")
+
+
+# Issue 33, item 7: Llama-3 70B and Qwen2.5 1.5B shapes.
+LLAMA_70B = {
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+}
+
+
+def test_tensor_parallel_activations_of_a_70b_keep_the_norms_whole_and_checkpointing_comes_first() -> None:
+    """No tp_plan shards the sequence, so per layer s*b*(4h + (3h + 2kv + 4I)/t) elements (Korthikanti's
+    sbh(10 + 24/t) with Llama's counts), not the whole layer / t: `data 16 x tensor 4` needs 69.8 GiB
+    of a 67.1 GiB budget. Gradient checkpointing lets data sharding alone fit, and is recommended."""
+    cfg = _config(LLAMA_70B, gradient_checkpointing=False)
+    h, kv, inter, layers, vocab, s = 8192, 1024, 28672, 80, 128256, 4096
+    embedding = vocab * h
+    total = 2 * embedding + layers * (2 * h * h + 2 * h * kv + 3 * h * inter + 2 * h) + h
+    estimate = estimate_memory(cfg, gpus=8, gpu_mem_bytes=80 * 10**9, nodes=8)
+    assert estimate.model.total_params == total
+    plan = plan_layouts_for(cfg, estimate)
+    row = _row(plan.to_dict(), data=16, tensor=4, context=1, pipeline=1)
+    activations = layers * s * (4 * h + (3 * h + 2 * kv + 4 * inter) / 4) * 2
+    logits = s * vocab * 18  # gathered on every tensor rank
+    states = 18 * total / 64 + 4 * embedding / 4  # P / (16 x 4) per rank; the embedding's slice gathered
+    assert row["activations"] == activations
+    assert row["logits"] == logits
+    assert row["total"] == pytest.approx(states + activations + logits, abs=4)
+    budget = 80 * 10**9 * 0.9
+    assert row["total"] > budget and not row["fits"]
+    assert states + layers * s * (7 * h + 2 * kv + 4 * inter) * 2 / 4 + logits < budget  # the old "/ t" fit
+    verdict = overall_recommendation(estimate, plan)
+    checkpointed = layers * s * h * 2 + s * (7 * h + 2 * kv + 4 * inter) * 2  # layer inputs + one layer
+    assert (verdict.kind, verdict.name) == ("layout", "data 64")
+    assert verdict.settings == ["distributed.strategy: fsdp", "train.gradient_checkpointing: true"]
+    assert verdict.total == pytest.approx(18 * total / 64 + 4 * embedding + checkpointed + logits, abs=4)
+
+
+def test_a_1_5b_model_is_told_to_checkpoint_and_chunk_the_loss_not_to_split_tensors(tmp_path: Path) -> None:
+    """Issue 33 saw TP 2 recommended at 65 GiB while the strategy table said nothing fits; FSDP with
+    gradient checkpointing and the chunked loss needs 11.9 GiB. One verdict, naming the keys to set."""
+    model = {
+        "model_type": "qwen2",
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    }
+    config = tmp_path / "qwen.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"config": model},
+                "data": {"train": [{"path": "d.jsonl"}], "max_length": 8192},
+                "train": {"micro_batch_size": 4, "precision": "bf16"},
+            }
+        ),
+        encoding="utf-8",
+    )
+    args = ["estimate", str(config), "--gpus", "8", "--gpu-mem", "80GB"]
+    h, kv, inter, layers, vocab, tokens = 1536, 256, 8960, 28, 151936, 4 * 8192
+    layer = 2 * h * h + 2 * h * kv + (h + 2 * kv) + 3 * h * inter + 2 * h  # (q, k, v biases)
+    total = vocab * h + layers * layer + h  # tied head
+    checkpointed = layers * tokens * h * 2 + tokens * (7 * h + 2 * kv + 4 * inter) * 2
+    chunked_logits = 1024 * vocab * 16  # one 1,024-token chunk: fp32 logits, log-softmax, 2 gradients
+    expected = 18 * total / 8 + 4 * vocab * h + checkpointed + chunked_logits  # the embedding gathered
+    report = json.loads(CliRunner().invoke(app, [*args, "--json"]).output)
+    assert report["model"]["total_params"] == total
+    assert report["recommended"] is None  # as configured no strategy fits, offloading included
+    verdict = report["recommendation"]
+    assert (verdict["kind"], verdict["name"]) == ("layout", "data 8")
+    assert verdict["total"] == pytest.approx(expected, abs=4) and expected / GIB == pytest.approx(
+        11.92, abs=0.01
+    )
+    assert verdict["settings"] == [
+        "distributed.strategy: fsdp",
+        "train.chunked_cross_entropy: true",
+        "train.gradient_checkpointing: true",
+    ]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "recommended: data 8 (data sharding alone fits with train.chunked_cross_entropy and " in text
+    assert "11.92 GiB per GPU); set distributed.strategy: fsdp, train.chunked_cross_entropy: true, " in text
+    assert text.count("recommended:") == 1 and "nothing fits" not in text

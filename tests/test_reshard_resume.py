@@ -1,5 +1,6 @@
 """Resharding resume: a checkpoint written by 2 processes resumes under 4 and under 1, on real
-engines (torch DCP through accelerate's FSDP2 path, DeepSpeed's universal checkpoint), gloo on CPU.
+engines (torch DCP through accelerate's FSDP2 path, DeepSpeed's universal checkpoint), gloo on CPU;
+a single-process checkpoint resumes on 2 FSDP2 (+ TP) processes and on 2 ZeRO-1/2/3 processes.
 
 Each engine trains 2 processes x 2 sequences for STEPS steps with a checkpoint at step SAVED, without
 interruption: that is the reference curve. Runs of another world size resume from its step-SAVED
@@ -102,7 +103,23 @@ ZERO2 = {"engine": "deepspeed", "world_size": 2, "zero_stage": 2}
             {"engine": "fsdp", "world_size": 4, "zero_stage": None},
             "whole",
         ),
-        (None, {"engine": "deepspeed", "world_size": 4, "zero_stage": 3}, "whole"),
+        (None, {"engine": "ddp", "world_size": 4, "zero_stage": None}, "whole"),
+        (None, {"engine": "deepspeed", "world_size": 4, "zero_stage": 3}, "deepspeed_universal"),
+        (
+            {"engine": "none", "world_size": 1},
+            {"engine": "deepspeed", "world_size": 2, "zero_stage": 1},
+            "deepspeed_universal",
+        ),
+        (
+            {"engine": "ddp", "world_size": 2},
+            {"engine": "deepspeed", "world_size": 4, "zero_stage": 3},
+            "deepspeed_universal",
+        ),
+        (
+            {"engine": "none", "world_size": 1},
+            {"engine": "fsdp", "world_size": 2, "zero_stage": None, "tensor_parallel": 2},
+            "whole",
+        ),
     ],
 )
 def test_each_change_of_world_has_its_resume_path(writer: dict | None, now: dict, kind: str) -> None:
@@ -164,6 +181,102 @@ def test_deepspeed_zero3_universal_load_still_shares_one_step_counter() -> None:
         DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3
     )
     assert "self.optimizer.state[fp32_param]['step'] = state_step" in source
+
+
+def test_deepspeed_zero3_universal_load_still_gives_every_group_group_0s_settings() -> None:
+    """lmforge restores each group's settings after a ZeRO-3 universal load
+    (reshard.restore_group_settings). When this fails, DeepSpeed changed that load: check whether the
+    restore is still needed."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    source = inspect.getsource(
+        DeepSpeedZeroOptimizer_Stage3.load_hp_checkpoint_state_from_checkpoint_dir_stage3
+    )
+    assert 'optim_sd[OPTIMIZER_STATE_DICT]["param_groups"][0].items()' in source
+
+
+# ---- one process -> FSDP2 (with and without tensor parallelism) ----
+
+
+@pytest.fixture(scope="module")
+def single_reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> tuple[dict, Path]:
+    """One process, 1 x 4 sequences, STEPS steps with a checkpoint at SAVED: the curve a resume on 2
+    processes must continue. The tensor-parallel test's heads (4 query, 2 key/value) split over 2."""
+    from tests.conftest import run_cli
+    from tests.test_tensor_parallel import TP_ARCH
+
+    out = tmp_path_factory.mktemp("single")
+    config = base_config(out, corpus, "single", micro_batch=4, strategy="none")
+    config["model"]["config"] = TP_ARCH
+    # Weight decay: the no-decay group (norms) must keep its own settings through every resume path.
+    config["train"] |= {"max_steps": STEPS, "save_every": SAVED, "weight_decay": 0.5}
+    result = run_cli("train", str(write(out / "single.yaml", config)), env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    return config, out / "single" / "checkpoints" / f"step-{SAVED}"
+
+
+@pytest.mark.parametrize(
+    ("name", "distributed", "micro_batch", "held"),
+    [
+        ("fsdp-on-2", {"strategy": "fsdp"}, 2, 0.5),
+        # 2-D mesh data_shard=1 x tensor=2: one data-parallel process takes the whole global batch.
+        ("fsdp-tp-on-2", {"strategy": "fsdp", "tensor_parallel": 2}, 4, 0.5),
+    ],
+)
+def test_a_single_process_checkpoint_resumes_on_2_fsdp_processes(
+    single_reference: tuple[dict, Path], name: str, distributed: dict, micro_batch: int, held: float
+) -> None:
+    """Whole states (model.safetensors, optimizer.pt) into FSDP2's sharded parameters and moments:
+    accelerate's FSDP2 load read only DCP shards and every rank ended in `metadata is None`."""
+    config, checkpoint = single_reference
+    out = Path(config["run"]["output_dir"])
+    resumed = json.loads(json.dumps(config))
+    resumed["run"]["name"] = name
+    resumed["distributed"] = distributed
+    resumed["train"] |= {"micro_batch_size": micro_batch, "resume": str(checkpoint)}
+    result = torchrun(write(out / f"{name}.yaml", resumed))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert_continues(out / "single", out / name)
+    assert (
+        f"resuming the whole model and optimizer of {checkpoint}: each rank keeps its shards" in result.stderr
+    )
+    shares = held_shares(result.stderr)  # really sharded: each rank holds half
+    assert sorted(shares) == [0, 1] and all(abs(v - held) < 0.01 for v in shares.values()), shares
+
+
+@pytest.mark.parametrize(
+    "stage",
+    [3, pytest.param(1, marks=pytest.mark.integration), pytest.param(2, marks=pytest.mark.integration)],
+)
+def test_a_single_process_checkpoint_resumes_on_2_deepspeed_processes(
+    single_reference: tuple[dict, Path], stage: int
+) -> None:
+    """Whole states (model.safetensors, optimizer.pt) written as DeepSpeed's universal checkpoint:
+    DeepSpeed loaded only its own global_step*/ checkpoints and lmforge refused with exit 2. The
+    universal form goes into the run being trained, not into the run resumed from."""
+    config, checkpoint = single_reference
+    out = Path(config["run"]["output_dir"])
+    name = f"single-as-zero{stage}"
+    before = sorted(p.name for p in checkpoint.parent.iterdir())
+    resumed = json.loads(json.dumps(config))
+    resumed["run"]["name"] = name
+    resumed["distributed"] = {"strategy": "deepspeed", "zero_stage": stage}
+    resumed["train"] |= {"micro_batch_size": 2, "resume": str(checkpoint)}
+    result = torchrun(write(out / f"{name}.yaml", resumed))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert_continues(out / "single", out / name)
+    assert (
+        f"one process as deepspeed ZeRO-{stage} on 2 process(es): through DeepSpeed's universal"
+        in result.stderr
+    )
+    said = [line for line in result.stderr.splitlines() if "to a universal checkpoint at" in line]
+    target = universal_dir(checkpoint, out / name / "checkpoints" / ".staging")
+    assert len(said) == 1 and str(target) in said[0] and "converted whole-state checkpoint" in said[0], said
+    assert not target.exists()  # derived data, removed when the launch ended
+    assert sorted(p.name for p in checkpoint.parent.iterdir()) == before  # the other run is untouched
+    if stage == 3:
+        shares = held_shares(result.stderr)  # really partitioned: each rank holds half
+        assert sorted(shares) == [0, 1] and all(abs(v - 0.5) < 0.01 for v in shares.values()), shares
 
 
 # ---- FSDP2: torch DCP ----
@@ -233,8 +346,10 @@ def test_a_zero3_checkpoint_of_2_processes_resumes_in_one_through_the_universal_
     out = Path(config["run"]["output_dir"])
     assert_continues(out / "zero3", out / "zero3-in-1")
     said = [line for line in result.stderr.splitlines() if "to a universal checkpoint at" in line]
-    assert len(said) == 1 and str(universal_dir(checkpoint)) in said[0], said
-    assert not universal_dir(checkpoint).exists()  # derived data, removed when the launch ended
+    target = universal_dir(checkpoint, out / "zero3-in-1" / "checkpoints" / ".staging")
+    assert len(said) == 1 and str(target) in said[0] and "converted DeepSpeed checkpoint" in said[0], said
+    assert not target.exists()  # derived data, removed when the launch ended
+    assert not list(checkpoint.parent.glob("*universal*"))  # nothing written into the run resumed from
     resolved = json.loads((out / "zero3-in-1" / "deepspeed_config.json").read_text())
     assert resolved["checkpoint"] == {"load_universal": True}
 

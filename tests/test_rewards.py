@@ -420,3 +420,35 @@ def test_a_reward_model_path_that_is_no_reward_model_names_the_key(
         UserInputError, match=r"train.rewards\[0\].path: .* no trained sequence-classification head"
     ):
         only(kind="model", path=str(tmp_path / "causal"))
+
+
+def test_the_first_reward_logs_each_rows_reference_for_the_samples() -> None:
+    """TRL keeps what rewards pass to `log_extra` next to the completions; rl_samples.jsonl then shows
+    each completion's reference answer (it showed "reference": null)."""
+    from lmforge.train.rl_samples import latest_samples
+
+    logged: list[tuple[str, list[Any]]] = []
+    rewards = build({"kind": "exact"}, {"kind": "format", "pattern": "x"})
+    completions = [as_messages("animal"), as_messages("fruit")]
+    for function in rewards.functions:
+        call(
+            function,
+            completions,
+            [" animal ", 7],
+            log_extra=lambda column, values: logged.append((column, values)),
+        )
+    assert logged == [("answer", ["animal", "7"])]  # once per batch, from the first reward only
+    trl_logs = {
+        "prompt": [
+            [{"role": "user", "content": "What group is cat in?"}],
+            [{"role": "user", "content": "7?"}],
+        ],
+        "completion": completions,
+        "rewards": {"exact": [1.0, 0.0], "format": [0.0, 0.0]},
+        "extra": {"answer": ["animal", "7"]},
+    }
+    samples = latest_samples(trl_logs, 2, rewards.weights)
+    assert [(s.prompt, s.reference, s.reward) for s in samples] == [
+        ("What group is cat in?", "animal", 1.0),
+        ("7?", "7", 0.0),
+    ]

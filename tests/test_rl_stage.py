@@ -128,6 +128,11 @@ def test_grpo_with_exact_match_raises_the_mean_reward(tmp_path: Path, task: dict
     samples = [json.loads(line) for line in (outcome.run_dir / "rl_samples.jsonl").read_text().splitlines()]
     assert samples and all(s["reward"] in (0.0, 1.0) for s in samples)
     assert {s["step"] for s in samples} == {0, 40}  # at each evaluation
+    answers = {r["question"]: r["answer"] for r in map(json.loads, task["rows"].read_text().splitlines())}
+    assert all(s["reference"] == answers[s["prompt"]] for s in samples)  # each row's reference answer
+    # The policy loss is near zero and changes sign: the loss-spike rule does not judge it.
+    events = (outcome.run_dir / "events" / "events.jsonl").read_text().splitlines()
+    assert not [e for e in map(json.loads, events) if e["kind"] in ("spike", "skip", "rollback")]
     announced = (outcome.run_dir / "train.log").read_text()
     assert "the reward is exact match against the reference answer" in announced
 

@@ -99,8 +99,9 @@ REGISTRY: tuple[Coupling, ...] = (
              "builds (tests/test_reshard_resume.py compares the option names)", ("args",)),
     Coupling("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3."
              "load_hp_checkpoint_state_from_checkpoint_dir_stage3", "patch", _RESHARD,
-             "gives every sub-group one shared Adam step tensor, which each sub-group's step advances: "
-             "separate_step_counters splits them after the load (tests/test_reshard_resume.py notices a fix)",
+             "gives every sub-group one shared Adam step tensor, which each sub-group's step advances, and "
+             "every group group 0's settings (weight decay on the no-decay group): separate_step_counters "
+             "and restore_group_settings undo both after the load (tests/test_reshard_resume.py notices a fix)",
              ("self", "checkpoint_dir")),
     Coupling(f"{_TRAINER}._tr_loss", "private_attribute", _STEP,
              "zeroed after a NaN (HF subtracts it from itself, keeping the NaN)",

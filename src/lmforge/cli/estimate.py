@@ -35,7 +35,7 @@ def estimate(
     from lmforge.ckpt.safetensors_stream import parse_size
     from lmforge.config.load import load_config
     from lmforge.distributed.estimate import estimate_memory
-    from lmforge.distributed.planner import plan_layouts_for
+    from lmforge.distributed.planner import overall_recommendation, plan_layouts_for
 
     try:
         gpu_mem, gpu_mem_source = _gpu_memory(gpu_mem)
@@ -47,13 +47,23 @@ def estimate(
             raise UserInputError(f"--gpu-mem {gpu_mem!r}: must be more than zero")
         cfg = load_config(config, overrides or [], tokenizer_optional=True)
         result = estimate_memory(cfg, gpus=gpus, gpu_mem_bytes=gpu_mem_bytes, nodes=nodes)
-        layouts = plan_layouts_for(cfg, result).to_dict()
+        plan = plan_layouts_for(cfg, result)
+        verdict = overall_recommendation(result, plan).to_dict()
+        layouts = plan.to_dict()
     except UserInputError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
     if as_json:
         typer.echo(
-            json.dumps({**result.to_dict(), "layouts": layouts, "gpu_mem_source": gpu_mem_source}, indent=2)
+            json.dumps(
+                {
+                    **result.to_dict(),
+                    "layouts": layouts,
+                    "recommendation": verdict,
+                    "gpu_mem_source": gpu_mem_source,
+                },
+                indent=2,
+            )
         )
         return
     if gpu_mem_source == "assumed":
@@ -95,13 +105,16 @@ def estimate(
         "parameter (AdamW: 8)"
     )
     console.print(
-        f"recommended: [bold]{result.recommended or 'nothing fits; add GPUs or shrink the batch'}[/]"
+        f"strategies: {result.recommended} is the cheapest that fits as configured"
+        if result.recommended
+        else "strategies: none fits as configured"
     )
     if result.model.vocab_source == "architecture default":
         console.print(
             f"vocabulary: {result.model.vocab_size:,} ({result.model.model_type}'s default; no tokenizer given)"
         )
     _print_layouts(layouts)
+    _print_verdict(verdict)
 
 
 # Rows of the layout table: enough to see the order, the first fits and the recommendation.
@@ -137,19 +150,18 @@ def _print_layouts(plan: dict[str, Any]) -> None:
     unrunnable = sorted({r["note"] for r in shown if r["fits"] and not r["runnable"]})
     if unrunnable:
         console.print(f"yes*: fits, but lmforge does not run it: {'; '.join(unrunnable)}")
-    best = plan.get("recommended")
-    if best is None:
-        console.print(f"layout: {plan.get('reason')}")
+
+
+def _print_verdict(verdict: dict[str, Any]) -> None:
+    """The one recommendation over the strategy table and the layouts (planner.overall_recommendation)."""
+    if verdict["kind"] == "none":
+        console.print(f"recommended: [bold]nothing fits[/] ({verdict['reason']})")
         return
-    degrees = {key: best[key] for key in ("tensor", "context", "pipeline", "expert") if best[key] > 1}
-    mesh = " x ".join([f"data {best['data']}", *(f"{key} {degree}" for key, degree in degrees.items())])
-    settings = ", ".join(
-        [
-            "distributed.strategy: fsdp",
-            *(f"distributed.{key}_parallel: {degree}" for key, degree in degrees.items()),
-        ]
-    )
-    console.print(f"layout: [bold]{mesh}[/] ({plan['reason']}); set {settings}")
+    total = f", {_gib(verdict['total'])} per GPU" if verdict["total"] is not None else ""
+    line = f"recommended: [bold]{verdict['name']}[/] ({verdict['reason']}{total})"
+    if verdict["settings"]:
+        line += f"; set {', '.join(verdict['settings'])}"
+    console.print(line)
 
 
 def _gpu_memory(given: str | None) -> tuple[str, str]:

@@ -45,7 +45,13 @@ def launch(
         help="Address of the node with rank 0 [default: 127.0.0.1; deepspeed: the hostfile's first host].",
         show_default=False,
     ),
-    master_port: int = typer.Option(29500, "--master-port", help="A free port on the master node."),
+    master_port: int = typer.Option(
+        None,
+        "--master-port",
+        help="A free port on the master node [default: one node: a free port (torchrun's --standalone "
+        "rendezvous); several nodes: 29500].",
+        show_default=False,
+    ),
     backend: str = typer.Option("torchrun", "--backend", help="Launcher: torchrun, deepspeed or accelerate."),
     max_restarts: int = typer.Option(
         0, "--max-restarts", help="Elastic: restart the worker group up to K times (uses c10d rendezvous)."
@@ -145,6 +151,7 @@ def launch(
             target = slurm_out or cfg.run.output_dir / f"{cfg.run.name}.sbatch"
         else:
             launch_plan = plan.plan_launch(request)
+            launch_plan.stall = _stall_watch(cfg)
             mesh_note = _mesh_note(cfg, request)
             launch_plan.notes[:0] = [note for note in (mesh_note, engine_note, ladder_note) if note]
     except UserInputError as err:
@@ -172,6 +179,11 @@ def launch(
     if dry_run:
         sys.stdout.write(plan.render_dry_run(launch_plan))
         return
+    try:
+        plan.check_port_free(request)  # before any worker starts: a taken port was a traceback after 27 s
+    except UserInputError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
     for note in launch_plan.notes:
         typer.echo(f"lmforge launch: {note}", err=True)
     raise typer.Exit(_train_with_oom_ladder(request, launch_plan, cfg, worker_overrides, taken))
@@ -216,6 +228,13 @@ def _train_with_oom_ladder(
         restart = [*overrides, *oom_ladder.overrides_of(taken), *oom_ladder.RESTART_OVERRIDES]
         request = replace(request, overrides=restart)
         launch_plan = plan.plan_launch(request)
+        launch_plan.stall = _stall_watch(cfg)
+
+
+def _stall_watch(cfg: LmforgeConfig) -> tuple[float, Path] | None:
+    """The launch ends after a stall of monitor.guard.stall_seconds (distributed/stall_watch.py)."""
+    seconds = cfg.monitor.guard.stall_seconds
+    return None if seconds is None else (seconds, cfg.run.dir / "stacks")
 
 
 def _run_workers(backend: str, launch_plan: LaunchPlan) -> tuple[int, list[str]]:
@@ -226,6 +245,8 @@ def _run_workers(backend: str, launch_plan: LaunchPlan) -> tuple[int, list[str]]
         code = plan.run_launcher(launch_plan)
         return code, [f"error: the {backend} launcher exited with code {code}"]
     code, failures = plan.run_torchrun(launch_plan)
+    if failures and failures[0].startswith("error:"):  # a stall: said whole, not per worker
+        return code, failures
     return code, [
         f"error: distributed training failed ({len(failures)} worker(s)):",
         *(f"  {line}" for line in failures),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from lmforge.config.layout_rules import layout_problems
+from lmforge.config.rl_rules import rl_problems
 from lmforge.config.schema import ADAPTER_METHODS, RL_STAGES, LmforgeConfig, TrainConfig
 
 CHAT_FORMATS = {"alpaca", "sharegpt", "messages"}
@@ -337,5 +339,7 @@ RULES: list[Rule] = [
 
 
 def cross_section_problems(cfg: LmforgeConfig) -> list[tuple[str, str]]:
-    """(key path, message) for every rule the config breaks."""
-    return [(key, message) for applies, key, message in RULES if applies(cfg)]
+    """(key path, message) for every rule the config breaks, the layout rules
+    (config/layout_rules.py, which the workers check again) included."""
+    rules = [(key, message) for applies, key, message in RULES if applies(cfg)]
+    return rules + layout_problems(cfg) + rl_problems(cfg)  # rl: spike settings on an RL stage

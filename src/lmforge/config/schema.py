@@ -8,9 +8,10 @@ Each stage receives its own section (`cfg.data`, `cfg.train`, ...), never the ro
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, cast, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from lmforge.config.chat_template_names import ChatTemplateName, canonical_chat_template
 
@@ -19,6 +20,27 @@ class Section(BaseModel):
     """Base of every config section: unknown keys are errors, values are validated on assignment."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # `warmup_steps: null` (or a bare `lora:` with its lines commented out) is how YAML users
+        # write "not set"; for a key that has a default and no meaning for None, that is the default.
+        if not isinstance(data, dict):
+            return data
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in cls.model_fields or _takes_none(cls.model_fields[key])
+        }
+
+
+def _takes_none(field: FieldInfo) -> bool:
+    """Whether None is a value of its own for this field (or it has no default to fall back on)."""
+    if field.is_required():
+        return True
+    annotation = field.annotation
+    return annotation is Any or annotation is None or type(None) in get_args(annotation)
 
 
 class RunConfig(Section):
@@ -825,7 +847,13 @@ class GuardConfig(Section):
         "CPU). Each restart is an oom_ladder event; [] stops at the first such out-of-memory.",
     )
     stall_seconds: float | None = Field(
-        900.0, gt=0, description="No step for this long: dump every thread's stack and alert (null: off)."
+        900.0,
+        gt=0,
+        description="No step for this long: dump every thread's stack and alert; under `lmforge launch` the "
+        "launch then ends (exit 1, naming the stalled rank, every rank's stacks saved). null: off. Why 900 s: "
+        "above the longest pause between steps that is no stall (a first step that compiles, a sharded "
+        "checkpoint of a large model), and below the process "
+        "group's 1800 s timeout (HF ddp_timeout), which would end a hung collective first, without stacks.",
     )
     rl: RlGuardConfig = Field(
         default_factory=RlGuardConfig,

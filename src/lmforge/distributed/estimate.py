@@ -15,7 +15,15 @@ grouped KV of width kv) as HF implements them save, per token, in elements: 2h p
 (input and normalised) x2, the rotated q (h) and k (kv), v (kv), the attention output and
 its contiguous copy for o_proj (2h), and 4I in the MLP (gate, silu(gate), up, their
 product) = 7h + 2kv + 4I, in the compute dtype. We use that count (it reduces to
-Korthikanti's 34 bytes/token/h in 16-bit for h = kv, I = 2.7h, give or take 10%).
+Korthikanti's 34 bytes/token/h in 16-bit for h = kv, I = 2.7h, give or take 10%). A Mixture-of-
+Experts layer (k experts per token of width I_e, E experts) saves instead, per token, the router's
+logits and probabilities (2E) and, for each of its k routed copies, the gathered input (h), the
+expert's 4 I_e and its output before the routing weight (h): 2E + k(2h + 4I_e) for the 4I, plus
+4 I_s for a shared expert every token runs (Qwen2-MoE, DeepSeek). Layers left dense in a MoE
+(DeepSeek's first_k_dense_replace, Qwen2-MoE's mlp_only_layers) are counted as MoE layers.
+Under tensor parallelism without sequence parallelism (transformers' tp_plans shard nothing along
+the sequence) the norms' inputs and outputs (4h) stay whole on every rank and the rest divides by
+t: Korthikanti's s*b*h*(10 + 24/t) with Llama's counts, 4h + (3h + 2kv + 4I)/t.
 sdpa/flash attention store no score matrix; eager attention adds b*a*s*s scores: softmax
 output, dropout output and mask (2w + 1 bytes), plus the fp32 softmax under mixed precision. With gradient checkpointing only each
 layer's input (h per token) is kept, plus one layer recomputed in full during backward.
@@ -79,6 +87,11 @@ class ModelShape:
     num_kv_heads: int = 0
     num_experts: int = 0  # experts per MoE layer; 0 for a dense model
     expert_params: int = 0  # parameters inside the experts (split by expert parallelism)
+    experts_per_token: int = 0  # k, the experts each token is routed to
+    expert_intermediate_size: int = 0  # I_e, the width of one expert's MLP
+    shared_expert_intermediate_size: int = 0  # the always-on shared experts' width (Qwen2-MoE, DeepSeek)
+    expert_layer_params: int = 0  # one layer's experts module (FSDP gathers it whole without EP)
+    largest_dense_layer_params: int = 0  # the largest module outside the experts
     model_type: str = ""
     has_tp_plan: bool = False  # transformers ships a tensor-parallel plan for this architecture
     vocab_source: str = (
@@ -135,7 +148,9 @@ def model_shape(config: LmforgeConfig) -> ModelShape:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=config.model.trust_remote_code)
     total = sum(p.numel() for p in model.parameters())  # parameters() dedups tied weights
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    sizes = {name: sum(p.numel() for p in m.parameters(recurse=False)) for name, m in model.named_modules()}
+    largest = max(sizes.values())
+    in_experts = {name: ".experts." in f".{name}." for name in sizes}
     embeddings = {
         id(p): p.numel()
         for module in (model.get_input_embeddings(), model.get_output_embeddings())
@@ -147,11 +162,22 @@ def model_shape(config: LmforgeConfig) -> ModelShape:
     text_config = hf_config.get_text_config()
     kv_heads = int(getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads)
     experts = expert_count(text_config) or 0
+    routed = int(getattr(text_config, "num_experts_per_tok", None) or 0) if experts else 0
+    expert_width = (
+        int(getattr(text_config, "moe_intermediate_size", None) or text_config.intermediate_size)
+        if experts
+        else 0
+    )
     expert_params = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     return ModelShape(
         num_kv_heads=kv_heads,
         num_experts=experts,
         expert_params=expert_params,
+        experts_per_token=routed,
+        expert_intermediate_size=expert_width,
+        shared_expert_intermediate_size=_shared_expert_width(text_config) if experts else 0,
+        expert_layer_params=max((n for name, n in sizes.items() if in_experts[name]), default=0),
+        largest_dense_layer_params=max(n for name, n in sizes.items() if not in_experts[name]),
         model_type=str(text_config.model_type),
         has_tp_plan=bool(getattr(text_config, "base_model_tp_plan", None)),
         vocab_source=_vocab_source(config),
@@ -170,6 +196,14 @@ def model_shape(config: LmforgeConfig) -> ModelShape:
         vocab_size=int(hf_config.vocab_size),
         embedding_params=sum(embeddings.values()),
     )
+
+
+def _shared_expert_width(text_config: Any) -> int:
+    """The MLP width every token also runs through next to its routed experts (0: none)."""
+    if getattr(text_config, "shared_expert_intermediate_size", None):
+        return int(text_config.shared_expert_intermediate_size)
+    shared = int(getattr(text_config, "n_shared_experts", None) or 0)
+    return shared * int(getattr(text_config, "moe_intermediate_size", None) or 0)
 
 
 def _hf_config(config: LmforgeConfig) -> Any:
@@ -208,6 +242,20 @@ def _vocab_size(config: LmforgeConfig) -> int | None:
     return len(AutoTokenizer.from_pretrained(path))
 
 
+def mlp_elements(shape: ModelShape) -> tuple[int, int]:
+    """Per token, the elements the MLP saves for backward: (kept whole on every tensor rank,
+    divided by the tensor degree). Dense: 4I, all column-split. MoE: the router's 2E whole, and
+    per routed copy the input and output (2h, whole) and the expert's 4 I_e (split), plus a shared
+    expert's 4 I_s."""
+    if shape.num_experts and shape.experts_per_token:
+        k, shared = shape.experts_per_token, 4 * shape.shared_expert_intermediate_size
+        return (
+            2 * shape.num_experts + 2 * k * shape.hidden_size,
+            4 * k * shape.expert_intermediate_size + shared,
+        )
+    return 0, 4 * shape.intermediate_size
+
+
 def activation_bytes(
     shape: ModelShape,
     *,
@@ -218,17 +266,22 @@ def activation_bytes(
     sdpa: bool,
     every: int = 1,
     offload: bool = False,
+    tensor: int = 1,
 ) -> int:
     """Saved activations of all decoder layers for one micro-batch on the device (see the module
     docstring): with checkpointing every `every`-th layer keeps only its input; with offload
-    only the layer being computed holds its activations there."""
+    only the layer being computed holds its activations there. `tensor`: the tensor-parallel
+    degree, without sequence parallelism (the norms and the checkpointed inputs stay whole)."""
     tokens, h = batch * seq, shape.hidden_size
-    per_layer = tokens * (7 * h + 2 * shape.kv_size + 4 * shape.intermediate_size) * weight_bytes
+    mlp_whole, mlp_split = mlp_elements(shape)
+    whole = 4 * h + mlp_whole  # the two norms' inputs and outputs (what TP cannot split)
+    split = 3 * h + 2 * shape.kv_size + mlp_split  # q, k, v, attention output and its copy, MLP
+    per_layer = tokens * (whole * tensor + split) * weight_bytes // tensor
     if not sdpa:
         # softmax output, dropout output and its 1-byte mask (HF runs dropout in training even at
         # p=0), plus the fp32 softmax kept under mixed precision: Korthikanti's 5 bytes in 16-bit.
         score_bytes = 2 * weight_bytes + 1 + (0 if weight_bytes == 4 else 4)
-        per_layer += batch * shape.num_heads * seq * seq * score_bytes
+        per_layer += batch * shape.num_heads * seq * seq * score_bytes // tensor  # the heads split
     if offload:
         return per_layer
     if checkpointing:
@@ -262,6 +315,11 @@ def optimizer_state_bytes(shape: ModelShape, optimizer: OptimizerConfig) -> floa
         projected = min(12 * optimizer.galore.rank / shape.hidden_size, 8.0)
         return (projected * hidden + 8 * rest) / p
     return 8.0
+
+
+def fits_budget(total: float, budget: float | None) -> bool | None:
+    """The one "fits" verdict of the strategy table and the layout planner (None: no budget given)."""
+    return None if budget is None else total <= budget
 
 
 def logits_bytes(shape: ModelShape, *, batch: int, seq: int, weight_bytes: int) -> int:
@@ -335,11 +393,7 @@ def estimate_memory(config: LmforgeConfig, *, gpus: int, gpu_mem_bytes: int | No
         gpu, cpu = model_states(shape, name, gpus_per_node=gpus, nodes=nodes, mixed=mixed, moments=moments)
         cpu += offloaded * gpus
         total = gpu + activations + logits
-        rows.append(
-            StrategyMemory(
-                name, gpu, cpu, activations, logits, total, None if budget is None else total <= budget
-            )
-        )
+        rows.append(StrategyMemory(name, gpu, cpu, activations, logits, total, fits_budget(total, budget)))
     recommended = next((r.strategy for r in rows if r.fits), None)
     return Estimate(
         model=shape,

@@ -162,6 +162,8 @@ class CpuFsdp:
         # DeepSpeed's gathered state dict also carries the tied head: gather it the same way.
         if _internal_call or not (sharded or trainer.is_deepspeed_enabled):
             super().save_model(output_dir, _internal_call=_internal_call)  # type: ignore[misc]
+            if _internal_call and sharded and trainer.args.should_save:
+                _save_model_description(trainer, Path(output_dir or trainer.args.output_dir))
             return
         output_dir = output_dir or trainer.args.output_dir
         engine = trainer.deepspeed if trainer.is_deepspeed_enabled else trainer.model
@@ -177,6 +179,19 @@ class CpuFsdp:
             trainer._save(output_dir, state_dict=_without_tied_head(trainer.model, state_dict))
             if dtype is not None:
                 _record_dtype(Path(output_dir), dtype)
+
+
+def _save_model_description(trainer: Any, checkpoint: Path) -> None:
+    """config.json, generation config and tokenizer beside a checkpoint's DCP shards. The Trainer
+    writes none of them under SHARDED_STATE_DICT, so `lmforge ckpt consolidate checkpoints/step-N`
+    had no config to build the model from and asked for --config."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(checkpoint)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(checkpoint)
+    if trainer.processing_class is not None:
+        trainer.processing_class.save_pretrained(checkpoint)
 
 
 def _in_configured_dtype(

@@ -8,9 +8,11 @@ How a failed worker is recorded and reported is in `lmforge.distributed.worker_f
 
 from __future__ import annotations
 
+import errno
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field, replace
@@ -20,6 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from lmforge.config.redact import redact_argv, redact_text
+from lmforge.config.yaml_bounds import load_yaml_bounded
 from lmforge.distributed.worker_failures import failure_exit_code, failure_lines
 from lmforge.errors import UserInputError
 
@@ -27,6 +30,9 @@ Backend = Literal["torchrun", "deepspeed", "accelerate"]
 WORKER_MODULE = "lmforge.cli.main"
 # Seconds between the agent's checks of its workers: a dead worker is noticed this fast.
 MONITOR_INTERVAL_S = 0.1
+# The master port of several nodes when none is given: every node must agree on it, so it cannot be
+# picked at random. One node picks a free port (`LaunchRequest.standalone`, `free_port`).
+DEFAULT_MASTER_PORT = 29500
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,7 @@ class LaunchRequest:
     nnodes: str = "1"  # "M" or an elastic range "MIN:MAX"
     node_rank: int | None = None
     master_addr: str = "127.0.0.1"
-    master_port: int = 29500
+    master_port: int | None = None  # None: a free one on one node, DEFAULT_MASTER_PORT on several
     backend: Backend = "torchrun"
     max_restarts: int = 0
     rdzv_backend: str | None = None  # None: static, or c10d when elastic
@@ -65,6 +71,22 @@ class LaunchRequest:
         elastic = ":" in self.nnodes or self.max_restarts > 0 or self.rdzv_endpoint or self.rdzv_id
         return "c10d" if elastic else "static"
 
+    @property
+    def standalone(self) -> bool:
+        """One torchrun node with no port or rendezvous given: torchrun's `--standalone` rendezvous,
+        which binds a free port itself (two launches on one machine no longer collide on 29500)."""
+        return (
+            self.backend == "torchrun"
+            and self.master_port is None
+            and self.rdzv_endpoint is None
+            and self.rdzv_backend != "static"
+            and not self.multi_node
+        )
+
+    @property
+    def port(self) -> int:
+        return DEFAULT_MASTER_PORT if self.master_port is None else self.master_port
+
 
 @dataclass
 class LaunchPlan:
@@ -74,6 +96,8 @@ class LaunchPlan:
     launcher_args: list[str]  # torchrun's arguments (after `-m torch.distributed.run`)
     env: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # why each variable is set, and caveats
+    # (monitor.guard.stall_seconds, the run's stacks directory): end the launch after a stall
+    stall: tuple[float, Path] | None = None
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -103,7 +127,7 @@ def check_request(req: LaunchRequest) -> None:
     low, high = req.node_range
     if req.nproc_per_node < 1:
         problems.append(f"--nproc-per-node {req.nproc_per_node}: must be 1 or more")
-    if not 1 <= req.master_port <= 65535:
+    if req.master_port is not None and not 1 <= req.master_port <= 65535:
         problems.append(
             f"--master-port {req.master_port}: pick a free port in 1-65535 (0 is not supported: "
             "every node must agree on the port)"
@@ -174,7 +198,7 @@ def read_accelerate_config(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserInputError(f"--accelerate-config {path}: no such file (write one with `accelerate config`)")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml_bounded(path.read_text(encoding="utf-8"), f"--accelerate-config {path}")
     except yaml.YAMLError as err:
         raise UserInputError(f"--accelerate-config {path}: not valid YAML/JSON ({err})") from None
     if not isinstance(data, dict):
@@ -212,7 +236,7 @@ def accelerate_args(req: LaunchRequest) -> list[str]:
         args.append("--multi_gpu")
     args += ["--num_processes", str(req.nproc_per_node * nodes), "--num_machines", str(nodes)]
     args += ["--machine_rank", str(req.node_rank or 0)]
-    args += ["--main_process_ip", req.master_addr, "--main_process_port", str(req.master_port)]
+    args += ["--main_process_ip", req.master_addr, "--main_process_port", str(req.port)]
     args += ["--monitor_interval", str(MONITOR_INTERVAL_S)]
     return [*args, "-m", *worker_args(req)]
 
@@ -225,11 +249,15 @@ def worker_args(req: LaunchRequest) -> list[str]:
 def torchrun_args(req: LaunchRequest, *, node_rank: str | None = None) -> list[str]:
     """torchrun's arguments for `req`; `node_rank` replaces the node rank (a shell variable in sbatch)."""
     args = ["--nnodes", req.nnodes, "--nproc-per-node", str(req.nproc_per_node)]
-    if req.rendezvous == "static":
+    if req.standalone:
+        args += ["--standalone"]
+        if req.max_restarts:
+            args += ["--max-restarts", str(req.max_restarts)]
+    elif req.rendezvous == "static":
         args += ["--node-rank", node_rank or str(req.node_rank or 0)]
-        args += ["--master-addr", req.master_addr, "--master-port", str(req.master_port)]
+        args += ["--master-addr", req.master_addr, "--master-port", str(req.port)]
     else:
-        endpoint = req.rdzv_endpoint or f"{req.master_addr}:{req.master_port}"
+        endpoint = req.rdzv_endpoint or f"{req.master_addr}:{req.port}"
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
         args += ["--rdzv-id", req.rdzv_id or f"lmforge-{req.run_name}"]
         args += ["--max-restarts", str(req.max_restarts)]
@@ -240,7 +268,7 @@ def torchrun_args(req: LaunchRequest, *, node_rank: str | None = None) -> list[s
 def deepspeed_args(req: LaunchRequest) -> list[str]:
     """The `deepspeed` launcher's arguments (deepspeed/launcher/runner.py) for `req`."""
     args = ["--num_gpus", str(req.nproc_per_node), "--num_nodes", req.nnodes]
-    args += ["--master_addr", req.master_addr, "--master_port", str(req.master_port)]
+    args += ["--master_addr", req.master_addr, "--master_port", str(req.port)]
     if req.hostfile is not None:
         args += ["--hostfile", str(req.hostfile)]
     if req.multi_node and req.node_rank is not None:
@@ -253,6 +281,8 @@ def deepspeed_args(req: LaunchRequest) -> list[str]:
 def plan_launch(req: LaunchRequest) -> LaunchPlan:
     """The command and environment for `req` (checked first)."""
     check_request(req)
+    if req.master_port is None and not req.multi_node and not req.standalone:
+        req = replace(req, master_port=free_port())  # deepspeed, accelerate: a port-0 search
     if req.backend == "torchrun":
         launcher_args = torchrun_args(req)
         command = [sys.executable, "-m", "torch.distributed.run", *launcher_args]
@@ -263,7 +293,13 @@ def plan_launch(req: LaunchRequest) -> LaunchPlan:
         launcher_args = deepspeed_args(req)
         command = [sys.executable, "-m", "deepspeed.launcher.runner", *launcher_args]
     plan = LaunchPlan(command=command, launcher_args=launcher_args)
-    if "OMP_NUM_THREADS" not in os.environ:
+    over_ssh = req.backend == "deepspeed" and req.multi_node and req.node_rank is None
+    if "OMP_NUM_THREADS" not in os.environ and over_ssh:
+        plan.notes.append(
+            "OMP_NUM_THREADS is unset: each worker sets it from its own node's CPU cores / its processes "
+            "(the deepspeed launcher would not carry this host's count over ssh)"
+        )
+    elif "OMP_NUM_THREADS" not in os.environ:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         plan.env["OMP_NUM_THREADS"] = str(max(1, cores // req.nproc_per_node))
         plan.notes.append(
@@ -277,6 +313,35 @@ def plan_launch(req: LaunchRequest) -> LaunchPlan:
             "PYTHON*/NCCL*/UCX* variables and those in .deepspeed_env reach them"
         )
     return plan
+
+
+def free_port() -> int:
+    """A port no process listens on now, from the operating system (bind to port 0)."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def check_port_free(req: LaunchRequest) -> None:
+    """UserInputError when the master port the workers' store will listen on is taken on this machine
+    (another launch, most often): checked before any worker starts, where this node hosts the store."""
+    hosts_store = req.rendezvous == "static" and not req.node_rank
+    if req.master_port is None or not hosts_store:
+        return
+    with socket.socket() as sock:
+        # As the store binds it: a port another process listens on is refused, one in TIME_WAIT is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", req.master_port))
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            fix = "pick another (--master-port N)"
+            if not req.multi_node:
+                fix += ", or leave --master-port out and one node gets a free port"
+            raise UserInputError(
+                f"--master-port {req.master_port}: the port is in use on this machine (another launch?); {fix}"
+            ) from None
 
 
 def render_dry_run(plan: LaunchPlan) -> str:
@@ -301,6 +366,7 @@ def slurm_script(req: LaunchRequest, workdir: Path) -> str:
         req,
         config=req.config.resolve(),
         nnodes='"$SLURM_NNODES"' if static else req.nnodes,
+        master_port=req.port,  # the nodes agree on it: no standalone rendezvous in a job script
         master_addr='"$MASTER_ADDR"',
         rdzv_backend=req.rendezvous,
         rdzv_id=None if static else req.rdzv_id or '"$SLURM_JOB_ID"',
@@ -313,8 +379,6 @@ def slurm_script(req: LaunchRequest, workdir: Path) -> str:
     ]
     inner = " ".join(w if w.startswith('"$') else shlex.quote(w) for w in words)
     nodes = str(high) if low == high else f"{low}-{high}"
-    cpus, nproc = "${SLURM_CPUS_ON_NODE:-1}", req.nproc_per_node
-    threads = f"$(( {cpus} / {nproc} > 0 ? {cpus} / {nproc} : 1 ))"
     return "\n".join(
         [
             "#!/bin/bash",
@@ -322,17 +386,29 @@ def slurm_script(req: LaunchRequest, workdir: Path) -> str:
             f"#SBATCH --nodes={nodes}",
             "#SBATCH --ntasks-per-node=1",
             f"#SBATCH --gpus-per-node={req.nproc_per_node}",
+            # One task per node runs torchrun and all its workers: without the whole node (or a CPU
+            # count) Slurm gives that task its default CPU count, often 1, and every worker shares it.
+            "#SBATCH --exclusive",
             f"#SBATCH --output={req.run_name}-%j.out",
             "# Written by `lmforge launch --slurm`; assumes this venv and the config are on a shared filesystem.",
+            "# --exclusive: torchrun's workers share the one task per node, which gets all of the node's CPUs",
+            "# (srun --cpus-per-task); OMP_NUM_THREADS is each node's own CPU count / its workers.",
             "set -euo pipefail",
             f"cd {shlex.quote(str(workdir))}",
             'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-            f"export MASTER_ADDR MASTER_PORT={req.master_port}",
-            f'export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-{threads}}}"',
-            f"srun --kill-on-bad-exit=1 bash -c {shlex.quote('exec ' + inner)}",
+            f"export MASTER_ADDR MASTER_PORT={req.port}",
+            'srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" bash -c '
+            + shlex.quote(f"{node_threads(req.nproc_per_node)}; exec {inner}"),
             "",
         ]
     )
+
+
+def node_threads(nproc_per_node: int) -> str:
+    """Shell that sets OMP_NUM_THREADS (unless set) to the CPUs this node gives the task (`nproc`
+    honours Slurm's binding) divided by its workers; run on each node, so each counts its own."""
+    share = f"$(nproc) / {nproc_per_node}"
+    return f'export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-$(( {share} > 0 ? {share} : 1 ))}}"'
 
 
 def run_torchrun(plan: LaunchPlan) -> tuple[int, list[str]]:
@@ -341,15 +417,25 @@ def run_torchrun(plan: LaunchPlan) -> tuple[int, list[str]]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from lmforge.distributed.stall_watch import StallWatch
+
     os.environ.update(plan.env)
+    watch = StallWatch(*plan.stall) if plan.stall is not None else None
+    if watch is not None:
+        watch.start()
     try:
         run(parse_args(plan.launcher_args))
     except ChildFailedError as err:
+        if watch is not None and watch.verdict is not None:
+            return 1, watch.verdict.lines()
         return failure_exit_code(err), failure_lines(err)
     except SignalException as err:
         return 128 + int(err.sigval), [
             f"launch stopped by {signal.Signals(err.sigval).name}; workers were stopped"
         ]
+    finally:
+        if watch is not None:
+            watch.stop()
     return 0, []
 
 

@@ -10,7 +10,9 @@ The data degree is what is left: world size / (tensor x context x pipeline). Exp
 borrows ranks from the data x context dimensions (experts are split over ranks that hold different
 tokens), so it adds no dimension of its own.
 
-Every refusal names the key, why the engine cannot do it, and the fix.
+Every refusal names the key, why the engine cannot do it, and the fix. What the config alone
+decides (the engine, stages, degree pairs, pipeline micro-batches) is config/layout_rules.py's,
+checked when the config loads; this module checks the layout against the architecture and the world.
 """
 
 from __future__ import annotations
@@ -129,8 +131,9 @@ def _world_problems(settings: DistributedConfig, world_size: int) -> list[str]:
         settings.strategy == "deepspeed" or settings.deepspeed_config is not None
     ):
         problems.append(
-            "DeepSpeed ZeRO runs data parallelism only here; tensor, context and pipeline parallelism run on "
-            "torch DTensor: set distributed.strategy: fsdp (a 2-D mesh with FSDP2) or ddp"
+            "DeepSpeed ZeRO runs data parallelism only here; tensor, context, pipeline and expert parallelism run "
+            "on FSDP2's device mesh (config/layout_rules.py): set distributed.strategy: fsdp (with the degrees' "
+            "product equal to the number of processes it shards nothing) and remove distributed.deepspeed_config"
         )
     return problems
 
@@ -194,14 +197,7 @@ def _pipeline_problems(settings: DistributedConfig, config: Any) -> list[str]:
             f"from the hidden states, which {sorted(STAGEABLE_FAMILIES)} take unchanged); use one of those, or "
             "distributed.strategy: fsdp with tensor_parallel"
         )
-    others = {"tensor_parallel": settings.tensor_parallel, "context_parallel": settings.context_parallel,
-              "expert_parallel": settings.expert_parallel}  # fmt: skip
-    for key, degree in others.items():
-        if degree > 1:
-            problems.append(
-                f"pipeline_parallel: {pp} with {key}: {degree}: pipeline stages compose with data sharding (FSDP2) "
-                f"only; set {key}: 1, or pipeline_parallel: 1"
-            )
+    # Pipeline x tensor / context / expert: config/layout_rules.py refuses them when the config loads.
     return problems
 
 
@@ -254,16 +250,7 @@ def _expert_problems(settings: DistributedConfig, config: Any, world_size: int) 
         problems.append(
             f"expert_parallel: transformers has no expert-parallel plan for {config.model_type!r}"
         )
-    for key, degree in (
-        ("tensor_parallel", settings.tensor_parallel),
-        ("context_parallel", settings.context_parallel),
-    ):
-        if degree > 1:
-            problems.append(
-                f"expert_parallel: {ep} with {key}: {degree}: experts split over the data ranks with FSDP2 only "
-                f"here (transformers' engine would take the tensor ranks into the expert group; not measured); "
-                f"set {key}: 1, or expert_parallel: 1"
-            )
+    # Experts x tensor / context: config/layout_rules.py refuses them when the config loads.
     return problems
 
 

@@ -1,6 +1,7 @@
 """Pipeline parallelism through the HF Trainer: torch.distributed.pipelining runs the schedule.
 
-The engine is torch's `PipelineStage` with its `ScheduleGPipe` / `Schedule1F1B`: it splits each
+The engine is torch's `PipelineStage` with its `ScheduleGPipe` / `Schedule1F1B` /
+`ScheduleInterleaved1F1B` (the one distributed.pipeline_schedule names): it splits each
 micro-batch into pipeline micro-batches, sends activations forward and their gradients back
 between neighbouring stages, and interleaves forwards and backwards. No schedule, send or
 receive lives here; this module decides which layers a stage owns and hands the engine a stage
@@ -64,6 +65,7 @@ __all__ = [
     "PipelineStages",
     "pipeline_of",
     "save_pipeline_model",
+    "schedule_note",
     "split_into_stages",
     "whole_parameter_count",
 ]
@@ -186,6 +188,9 @@ class Pipeline:
                 for index in range(self.stage, total, self.stages)  # this rank's stages
             ]
             kind = _schedule_class(self.schedule, chunks, self.stages)
+            note = schedule_note(self.schedule, kind, rows=shape[0], chunks=chunks, ranks=self.stages)
+            if note:
+                log.warning("%s", note)
             run_on = stages if self.per_rank > 1 else stages[0]
             self._schedules[key] = kind(run_on, n_microbatches=chunks, loss_fn=self.loss, scale_grads=False)
             while len(self._schedules) > _CACHED_SCHEDULES:
@@ -305,6 +310,14 @@ def _stage_layers(index: int, total: int, layers: int) -> range:
     return range(index * per_stage, (index + 1) * per_stage)
 
 
+# distributed.pipeline_schedule -> the torch schedule that runs it as configured.
+_SCHEDULE_CLASSES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+}
+
+
 def _schedule_class(schedule: str, chunks: int, ranks: int) -> Any:
     """torch's schedule for `chunks` pipeline micro-batches over `ranks` ranks. A short last batch
     (fewer chunks than 1F1B needs) runs the all-forwards-first variant: the same sums."""
@@ -318,6 +331,18 @@ def _schedule_class(schedule: str, chunks: int, ranks: int) -> Any:
     if schedule == "interleaved_1f1b":
         return ScheduleInterleaved1F1B if chunks >= ranks and chunks % ranks == 0 else ScheduleLoopedBFS
     return Schedule1F1B if schedule == "1f1b" and chunks >= ranks else ScheduleGPipe
+
+
+def schedule_note(schedule: str, kind: Any, *, rows: int, chunks: int, ranks: int) -> str | None:
+    """The warning for a batch that runs on another schedule than distributed.pipeline_schedule, or
+    None. Only a batch shorter than the configured micro-batches (the last of an epoch) gets one:
+    config/layout_rules.py refuses a configured count the schedule cannot take."""
+    if kind.__name__ == _SCHEDULE_CLASSES[schedule]:
+        return None
+    return (
+        f"pipeline_parallel: a batch of {rows} rows runs as {chunks} pipeline micro-batches, which {schedule} "
+        f"cannot take over {ranks} ranks; torch's {kind.__name__} runs this batch (the same sums)"
+    )
 
 
 def _cut_stage(model: PreTrainedModel, stage: int, stages: int, per_rank: int) -> str | None:

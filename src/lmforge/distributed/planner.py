@@ -6,31 +6,53 @@ first (ZeRO / FSDP: no change to the maths of a layer, communication overlapped 
 tensor-parallel degree that divides the attention and KV heads inside one node (it adds two
 all-reduces per layer, so it wants the fastest links), then context parallelism for long sequences,
 then pipeline stages (a bubble of idle time per step). A layout is recommended only when nothing
-earlier in that order fits and lmforge's training step can run it.
+earlier in that order fits and lmforge's training step can run it. Before any model parallelism the
+planner weighs the memory levers that leave the maths alone: the chunked loss
+(train.chunked_cross_entropy), then gradient checkpointing (train.gradient_checkpointing), then both;
+a recommendation names the keys it needs.
 
 Per-device memory of a layout, with d = data, t = tensor, c = context, p = pipeline, e = expert:
-- parameters / gradients / optimizer: the rank's slice of the model (dense weights / (t p), experts /
-  (e p), or / (t p) when experts are tensor-split instead) sharded again d c ways by FSDP2, plus one
-  decoder layer gathered whole for compute, as the FSDP rows of the strategy table count it;
-- activations: one micro-batch's (estimate.activation_bytes) over t (sequence parallelism splits the
-  norms too) and c (each rank holds seq / c tokens); a pipeline cuts the micro-batch into m chunks
+- parameters / gradients / optimizer: the dense weights' slice / (t p) sharded d c ways by FSDP2; the
+  experts' slice / (e t p) sharded over the d c / e ranks that hold the same experts (the expert
+  data-parallel group, expert_parallel.py's efsdp), so expert parallelism moves expert states
+  between ranks but does not shrink them: both terms come to P / (d c t p) per rank. Plus the largest
+  module gathered whole for compute (4 bytes a parameter, as the FSDP rows of the strategy table
+  count it): a layer's experts / (e t) only while efsdp > 1 (with efsdp = 1 they are resident);
+- activations: one micro-batch's (estimate.activation_bytes, with the tensor degree: no sequence
+  parallelism, so the norms stay whole, Korthikanti's 10 + 24/t) over c (each rank holds seq / c
+  tokens); a pipeline cuts the micro-batch into m chunks
   (distributed.pipeline_microbatches, default p) of its L / p layers, and keeps min(p, m) of them in
   flight on the first stage under 1F1B, all m under GPipe;
 - logits: transformers' TP plan gathers the output head's logits on every rank (colwise_rep), so TP
-  does not divide them; context parallelism does;
+  does not divide them; context parallelism does; the chunked loss holds one chunk's;
 - bubble: (p - 1) / (v m + p - 1), v = 2 virtual stages per rank under interleaved 1F1B.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lmforge.config.schema import LmforgeConfig
-from lmforge.distributed.estimate import Estimate, ModelShape, activation_bytes, logits_bytes
+from lmforge.distributed.estimate import (
+    Estimate,
+    ModelShape,
+    activation_bytes,
+    chunked_logits_bytes,
+    fits_budget,
+    logits_bytes,
+)
 from lmforge.distributed.layout import STAGEABLE_FAMILIES
 
-__all__ = ["LayoutMemory", "LayoutPlan", "Workload", "plan_layouts", "plan_layouts_for"]
+__all__ = [
+    "LEVERS",
+    "LayoutMemory",
+    "LayoutPlan",
+    "Workload",
+    "overall_recommendation",
+    "plan_layouts",
+    "plan_layouts_for",
+]
 
 # Bytes per parameter, split so that a data-only layout equals the strategy table's FSDP row
 # (DeepSpeed's ZeRO-3 estimator: 18 per parameter under mixed precision with AdamW = 2 of 16-bit
@@ -53,6 +75,22 @@ class Workload:
     sdpa: bool
     interleaved: bool = False  # interleaved 1F1B: two virtual stages per rank
     gpipe: bool = False  # GPipe runs every chunk's forward before any backward
+    chunked_loss: bool = False  # train.chunked_cross_entropy
+    checkpoint_every: int = 1  # train.checkpoint_every: selective checkpointing
+    activation_offload: bool = False  # train.activation_offload: one layer's activations on the device
+
+
+# Memory levers weighed before model parallelism, cheapest first: the chunked loss recomputes only
+# the output head per chunk; checkpointing recomputes every layer's forward (about a third more).
+LEVERS: tuple[tuple[str, ...], ...] = (
+    ("train.chunked_cross_entropy",),
+    ("train.gradient_checkpointing",),
+    ("train.chunked_cross_entropy", "train.gradient_checkpointing"),
+)
+_LEVER_FIELDS = {
+    "train.chunked_cross_entropy": "chunked_loss",
+    "train.gradient_checkpointing": "checkpointing",
+}
 
 
 @dataclass(frozen=True)
@@ -74,6 +112,7 @@ class LayoutMemory:
     fits: bool | None
     runnable: bool
     note: str
+    levers: tuple[str, ...] = ()  # config keys (true) this row's memory assumes beyond the config
 
     def degrees(self) -> str:
         return f"dp{self.data} tp{self.tensor} cp{self.context} pp{self.pipeline} ep{self.expert}"
@@ -105,6 +144,9 @@ def plan_layouts_for(config: LmforgeConfig, estimate: Estimate) -> LayoutPlan:
         sdpa=config.model.attn_implementation != "eager",
         interleaved=config.distributed.pipeline_schedule == "interleaved_1f1b",
         gpipe=config.distributed.pipeline_schedule == "gpipe",
+        chunked_loss=estimate.chunked_cross_entropy,
+        checkpoint_every=estimate.checkpoint_every,
+        activation_offload=estimate.activation_offload,
     )
     budget = None if estimate.gpu_mem_bytes is None else estimate.gpu_mem_bytes * (1 - estimate.headroom)
     return plan_layouts(
@@ -118,12 +160,13 @@ def plan_layouts(
     """Every layout of `gpus_per_node x nodes` devices the model allows, in the preferred order;
     `budget`: usable bytes per device (None: no fit check)."""
     world = gpus_per_node * nodes
-    rows = [
-        _layout_memory(shape, work, (world // (t * c * p), t, c, p, e), budget)
+    degrees = [
+        (world // (t * c * p), t, c, p, e)
         for t, c, p, e in _candidate_degrees(shape, world, gpus_per_node, work.seq_len)
     ]
-    rows.sort(key=lambda r: (r.pipeline, r.context, r.tensor, r.expert))
-    return _recommend(rows, budget)
+    degrees.sort(key=lambda d: (d[3], d[2], d[1], d[4]))  # pipeline, context, tensor, expert
+    rows = [_layout_memory(shape, work, d, budget) for d in degrees]
+    return _recommend(shape, work, rows, budget)
 
 
 def _divisors(n: int) -> list[int]:
@@ -157,14 +200,15 @@ def _layout_memory(
     data, tensor, context, pipeline, expert = degrees
     w = 2 if work.mixed else 4
     dense = shape.total_params - shape.expert_params
-    experts_split = expert if expert > 1 else tensor
-    rank_params = dense / (tensor * pipeline) + shape.expert_params / (experts_split * pipeline)
     shard = data * context  # FSDP2 shards over the data and context ranks together (torchtitan's dp_shard_cp)
-    # FSDP2 unshards one layer at a time (counted in fp32, as the strategy table does)
-    gathered = 4 * shape.largest_layer_params / tensor if shard > 1 else 0
-    parameters = int(w * rank_params / shard + gathered)
-    gradients = int(_GRAD_BYTES * rank_params / shard)
-    optimizer = int((_MASTER_BYTES[work.mixed] + work.optimizer_bytes) * rank_params / shard)
+    expert_shard = shard // expert  # efsdp: the ranks holding the same experts shard them
+    # transformers' expert group takes the tensor ranks too (ep_size = expert x tensor)
+    expert_slice = shape.expert_params / (expert * tensor * pipeline)
+    shard_params = dense / (tensor * pipeline) / shard + expert_slice / expert_shard
+    gathered = _gathered_params(shape, tensor, expert, expert_shard) if shard > 1 else 0
+    parameters = int(w * shard_params + 4 * gathered)  # the gathered layer in fp32, as the strategy table
+    gradients = int(_GRAD_BYTES * shard_params)
+    optimizer = int((_MASTER_BYTES[work.mixed] + work.optimizer_bytes) * shard_params)
     seq = work.seq_len // context
     whole = activation_bytes(
         shape,
@@ -173,15 +217,19 @@ def _layout_memory(
         weight_bytes=w,
         checkpointing=work.checkpointing,
         sdpa=work.sdpa,
+        every=work.checkpoint_every,
+        offload=work.activation_offload,
+        tensor=tensor,
     )
     # The pipeline cuts each micro-batch into m chunks; 1F1B keeps min(p, m) of them in flight on
     # the first stage, GPipe all m.
     micro_batches = work.pipeline_microbatches or pipeline
     in_flight = micro_batches if work.gpipe else min(pipeline, micro_batches)
-    activations = (
-        int(whole / micro_batches / tensor / pipeline * in_flight) if pipeline > 1 else int(whole / tensor)
-    )
-    logits = logits_bytes(shape, batch=work.micro_batch, seq=seq, weight_bytes=w)
+    activations = int(whole / micro_batches / pipeline * in_flight) if pipeline > 1 else whole
+    if work.chunked_loss:
+        logits = chunked_logits_bytes(shape, batch=work.micro_batch, seq=seq)
+    else:
+        logits = logits_bytes(shape, batch=work.micro_batch, seq=seq, weight_bytes=w)
     total = parameters + gradients + optimizer + activations + logits
     virtual = 2 if work.interleaved else 1
     bubble = (pipeline - 1) / (virtual * micro_batches + pipeline - 1) if pipeline > 1 else 0.0
@@ -199,10 +247,18 @@ def _layout_memory(
         logits=logits,
         total=total,
         bubble=round(bubble, 4),
-        fits=None if budget is None else total <= budget,
+        fits=fits_budget(total, budget),
         runnable=runnable,
         note=note,
     )
+
+
+def _gathered_params(shape: ModelShape, tensor: int, expert: int, expert_shard: int) -> float:
+    """The largest module FSDP2 unshards for compute: a dense one's tensor slice, or a layer's
+    experts (their expert x tensor slice) while other ranks hold shards of the same experts."""
+    dense = shape.largest_dense_layer_params or shape.largest_layer_params
+    experts = shape.expert_layer_params / (expert * tensor) if expert_shard > 1 else 0
+    return max(dense / tensor, experts)
 
 
 def _runs_here(shape: ModelShape, tensor: int, context: int, pipeline: int, expert: int) -> tuple[bool, str]:
@@ -221,19 +277,100 @@ def _runs_here(shape: ModelShape, tensor: int, context: int, pipeline: int, expe
     return True, " x ".join(["fsdp", *kinds])
 
 
-def _recommend(rows: list[LayoutMemory], budget: float | None) -> LayoutPlan:
+def _recommend(
+    shape: ModelShape, work: Workload, rows: list[LayoutMemory], budget: float | None
+) -> LayoutPlan:
+    """The first layout that fits and runs: data sharding alone as configured, then with each lever
+    (LEVERS), and only then model parallelism in the layout order, as configured and then with each
+    lever."""
     if budget is None:
         return LayoutPlan(rows, None, "no device memory given")
+    levers = [()] + [keys for keys in LEVERS if not any(getattr(work, _LEVER_FIELDS[k]) for k in keys)]
+    data_only = [r for r in rows if not _model_parallel(r)]
+    model_parallel = [r for r in rows if _model_parallel(r)]
+    for group in (data_only, model_parallel):
+        for keys in levers:
+            with_levers = replace(work, **{_LEVER_FIELDS[k]: True for k in keys})
+            candidates = [
+                row if not keys else _with_levers(shape, with_levers, row, budget, keys) for row in group
+            ]
+            choice = next((r for r in candidates if r.fits and r.runnable), None)
+            if choice is not None:
+                return LayoutPlan(rows, choice, _why(choice, candidates))
     fitting = [r for r in rows if r.fits]
-    runnable = [r for r in fitting if r.runnable]
-    if runnable:
-        choice = runnable[0]
-        why = "the first layout in the order data-shard, tensor, context, pipeline that fits"
-        if fitting[0] is not choice:
-            why += f" and that lmforge runs ({fitting[0].degrees()} fits first: {fitting[0].note})"
-        return LayoutPlan(rows, choice, why)
     if fitting:
         return LayoutPlan(rows, None, f"only layouts lmforge cannot run yet fit ({fitting[0].note})")
     return LayoutPlan(
-        rows, None, "no layout fits: add devices, shrink the micro-batch or sequence, or checkpoint"
+        rows,
+        None,
+        "no layout fits, even with train.chunked_cross_entropy and train.gradient_checkpointing: "
+        "add devices, or shrink the micro-batch or the sequence",
     )
+
+
+def _with_levers(
+    shape: ModelShape, work: Workload, row: LayoutMemory, budget: float | None, keys: tuple[str, ...]
+) -> LayoutMemory:
+    degrees = (row.data, row.tensor, row.context, row.pipeline, row.expert)
+    return replace(_layout_memory(shape, work, degrees, budget), levers=keys)
+
+
+def _model_parallel(row: LayoutMemory) -> bool:
+    return max(row.tensor, row.context, row.pipeline, row.expert) > 1
+
+
+def _why(choice: LayoutMemory, candidates: list[LayoutMemory]) -> str:
+    if _model_parallel(choice):
+        why = "data sharding alone does not fit, even with the chunked loss and gradient checkpointing; "
+        why += "the first layout in the order data-shard, tensor, context, pipeline that fits"
+    else:
+        why = "data sharding alone fits"
+    if choice.levers:
+        why += f" with {' and '.join(choice.levers)}"
+    first = next(r for r in candidates if r.fits)
+    if first is not choice:
+        why += f" and that lmforge runs ({first.degrees()} fits first: {first.note})"
+    return why
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """`lmforge estimate`'s one verdict over the strategy table and the layouts."""
+
+    kind: str  # strategy | layout | offload | none
+    name: str  # the strategy, or the layout's degrees
+    total: int | None  # bytes per device
+    settings: list[str]  # config keys to set, "key: value"
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def overall_recommendation(estimate: Estimate, plan: LayoutPlan) -> Recommendation:
+    """In order: the cheapest data-parallel strategy that fits as configured without offload; the
+    planner's layout (data sharding with memory levers before model parallelism); a strategy that
+    offloads to host memory; else nothing fits."""
+    rows = {r.strategy: r for r in estimate.strategies}
+    chosen = estimate.recommended
+    if chosen is not None and "offload" not in chosen:
+        return Recommendation(
+            "strategy", chosen, rows[chosen].total_gpu, [], "the cheapest strategy that fits"
+        )
+    best = plan.recommended
+    if best is not None:
+        degrees = {
+            k: getattr(best, k) for k in ("tensor", "context", "pipeline", "expert") if getattr(best, k) > 1
+        }
+        mesh = " x ".join([f"data {best.data}", *(f"{k} {d}" for k, d in degrees.items())])
+        settings = [
+            "distributed.strategy: fsdp",
+            *(f"distributed.{k}_parallel: {d}" for k, d in degrees.items()),
+            *(f"{key}: true" for key in best.levers),
+        ]
+        return Recommendation("layout", mesh, best.total, settings, plan.reason)
+    if chosen is not None:
+        return Recommendation(
+            "offload", chosen, rows[chosen].total_gpu, [], "only offloading model states to host memory fits"
+        )
+    return Recommendation("none", "nothing fits", None, [], plan.reason)

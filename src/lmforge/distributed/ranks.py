@@ -9,7 +9,7 @@ data cache before the other ranks read them.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -34,11 +34,29 @@ class World:
 
 def current_world() -> World:
     size = int(os.environ.get("WORLD_SIZE", "1"))
-    return World(
-        size=size,
-        local_size=int(os.environ.get("LOCAL_WORLD_SIZE", size)),
-        rank=int(os.environ.get("RANK", "0")),
-    )
+    return World(size=size, local_size=_local_size(os.environ, size), rank=int(os.environ.get("RANK", "0")))
+
+
+def _local_size(env: Mapping[str, str], default: int) -> int:
+    """Workers on this node: torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE."""
+    return int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or default)
+
+
+def share_node_cores(env: MutableMapping[str, str] = os.environ) -> int | None:
+    """Give each worker its share of this node's cores when no launcher set OMP_NUM_THREADS: the
+    deepspeed launcher starts other hosts over ssh with only PYTHON*/NCCL*/UCX* variables and those of
+    .deepspeed_env, so the launch host's count never reaches them, and torch would give every worker
+    all of the node's cores. The share is this node's own (its cores, as this process may use them,
+    divided by its workers), as `lmforge launch` computes it on the launch host. The thread count
+    set, or None where OMP_NUM_THREADS was set or one worker runs here."""
+    local = _local_size(env, 1)
+    if "OMP_NUM_THREADS" in env or local <= 1:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // local)
+    env["OMP_NUM_THREADS"] = str(threads)  # for the processes this worker starts (data loaders)
+    torch.set_num_threads(threads)
+    return threads
 
 
 def ensure_process_group() -> None:

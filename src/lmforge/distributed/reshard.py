@@ -5,7 +5,13 @@ resume takes one of these paths (`resume_path`):
 
 | written by                 | this run                          | path                                     |
 |----------------------------|-----------------------------------|------------------------------------------|
-| one process or DDP         | any engine and world size         | `whole`: HF loads the whole states       |
+| one process or DDP         | one process, DDP, FSDP2 (+ TP),   | `whole`: HF loads the whole states;      |
+|                            | any world size                    | under FSDP2 each rank keeps its shards   |
+|                            |                                   | (`load_whole_model`/`_optimizer`)        |
+| one process or DDP         | DeepSpeed ZeRO-1/2/3, any world   | `deepspeed_universal`: its whole states  |
+|                            | size                              | written as DeepSpeed's universal         |
+|                            |                                   | checkpoint (`whole_to_universal.py`),    |
+|                            |                                   | then `load_universal`                    |
 | the same engine and world  |                                   | `same`                                   |
 | FSDP2 (torch DCP)          | FSDP2, another world size         | `dcp_reshard`: accelerate's DCP load;    |
 |                            |                                   | DCP's metadata keeps each tensor's       |
@@ -43,7 +49,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from lmforge.distributed.deepspeed_config import zero_stage_of
 from lmforge.distributed.ranks import wait_for_everyone
+from lmforge.distributed.whole_to_universal import optimizer_group_names, whole_weights
 from lmforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -95,17 +103,28 @@ def resume_path(checkpoint: Path, writer: dict[str, Any] | None, now: dict[str, 
     under the engine `now` (both as `Plan.summary()` records them). UserInputError where no engine
     loads it, with the reason and the way forward."""
     if writer is None:  # written before lmforge recorded its writer: a single-process or DDP checkpoint
-        return ResumePath("whole", "an unrecorded engine", engine_words(now))
+        writer = {"engine": "none"}
     kind = _kind(writer, now)
     if kind is None:
         raise UserInputError(_refusal(checkpoint, writer, now))
-    return ResumePath(kind, engine_words(writer), engine_words(now))
+    if kind == "deepspeed_universal" and (checkpoint / "adapter_model.safetensors").is_file():
+        # The universal checkpoint is written from whole model states (whole_to_universal.py).
+        raise UserInputError(
+            f"train.resume: {checkpoint} holds a LoRA adapter (adapter_model.safetensors), and lmforge writes "
+            "DeepSpeed's universal checkpoint from whole model states only. Fix: resume it with "
+            "distributed.strategy=ddp (on any number of processes) or in one process"
+        )
+    wrote = engine_words(writer) if "world_size" in writer else "an unrecorded engine"
+    return ResumePath(kind, wrote, engine_words(now))
 
 
 def _kind(writer: dict[str, Any], now: dict[str, Any]) -> ResumeKind | None:
     engine = writer["engine"]
     if engine not in ("fsdp", "deepspeed"):
-        return "whole"  # whole states load under any engine and world size (with new shards)
+        # Whole states load under FSDP2 (with or without TP: `load_whole_model`), DDP and one process,
+        # on any world size. DeepSpeed loads only its own ZeRO checkpoints: lmforge writes the whole
+        # states as its universal checkpoint, which every ZeRO stage and world size loads.
+        return "deepspeed_universal" if now["engine"] == "deepspeed" else "whole"
     same_stage = writer.get("zero_stage") == now.get("zero_stage")
     if engine == now["engine"] and writer["world_size"] == now["world_size"] and same_stage:
         return "same"
@@ -160,41 +179,59 @@ def loads_universal(deepspeed: Any) -> bool:
     return isinstance(deepspeed, dict) and bool(deepspeed.get("checkpoint", {}).get("load_universal"))
 
 
-def universal_dir(checkpoint: Path) -> Path:
-    """Where the universal form of `checkpoint` goes: next to it, under a name (step-N.universal)
-    that no tool takes for a checkpoint of the run."""
-    return checkpoint.with_name(f"{checkpoint.name}.universal")
+def universal_dir(checkpoint: Path, staging: Path) -> Path:
+    """Where the universal form of `checkpoint` goes: in the run being trained, never in the run
+    resumed from (it may be another run's, or read-only). `staging` is the run's checkpoints/.staging
+    (HF's output_dir): removed with the run's partial writes (`clear_partial_writes`) should a launch
+    die before removing it, and under a name (step-N.universal) that no tool takes for a checkpoint."""
+    return staging / f"{checkpoint.name}.universal"
 
 
-def convert_to_universal(checkpoint: Path) -> Path:
-    """Write the universal form of the ZeRO checkpoint `checkpoint` next to it, atomically: DeepSpeed's
+def is_zero_checkpoint(checkpoint: Path) -> bool:
+    """Whether DeepSpeed wrote `checkpoint` (its global_step*/ directories); a ZeRO-3 checkpoint holds
+    a gathered model.safetensors too, so `has_whole_states` alone does not tell."""
+    return any(p.is_dir() for p in checkpoint.glob("global_step*"))
+
+
+def convert_to_universal(
+    checkpoint: Path, target: Path, *, whole_groups: list[list[str]] | None = None, zero_stage: int = 0
+) -> Path:
+    """Write the universal form of `checkpoint` at `target`, atomically, with the files HF Trainer
+    reads on a resume; one process does it. A ZeRO checkpoint goes through DeepSpeed's
     `ds_to_universal` (whole fp32 weights and optimizer moments per parameter, whatever the world
-    size that wrote them) and the files HF Trainer reads on a resume. One process does it."""
+    size that wrote them); the whole states of one process or DDP (`whole_groups`: this run's
+    optimizer groups by parameter name) are written in that layout directly."""
     from deepspeed.checkpoint import ds_to_universal
 
+    from lmforge.distributed.whole_to_universal import write_universal_from_whole
+
     tags = sorted(p for p in checkpoint.glob("global_step*") if p.is_dir())
-    if not tags:
+    if not tags and whole_groups is None:
         raise UserInputError(f"train.resume: {checkpoint} holds no DeepSpeed global_step* directory")
-    target = universal_dir(checkpoint)
     partial = target.with_name(f".{target.name}.partial")
     started = time.perf_counter()
     try:
         shutil.rmtree(partial, ignore_errors=True)
-        printed = io.StringIO()  # DeepSpeed's progress prints: train.log gets them, the console one line
-        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
-            ds_to_universal.main(_universal_arguments(tags[-1], partial / tags[-1].name))
-        log.debug("ds_to_universal:\n%s", printed.getvalue())
+        if whole_groups is not None:
+            write_universal_from_whole(checkpoint, partial, group_names=whole_groups, zero_stage=zero_stage)
+        else:
+            printed = io.StringIO()  # DeepSpeed's progress prints: train.log gets them, the console one line
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+                ds_to_universal.main(_universal_arguments(tags[-1], partial / tags[-1].name))
+            log.debug("ds_to_universal:\n%s", printed.getvalue())
         _link_trainer_files(checkpoint, partial)
         shutil.rmtree(target, ignore_errors=True)  # left by a launch killed before it removed it
         os.rename(partial, target)
     except OSError as err:
         raise UserInputError(
-            f"train.resume: could not write the universal form of {checkpoint} next to it ({err}); copy the "
-            "checkpoint into a writable directory and resume from there (train.resume=PATH)"
+            f"train.resume: could not write the universal form of {checkpoint} into {target.parent} ({err}); "
+            "free space there (run.output_dir) or resume under distributed.strategy=fsdp or ddp"
         ) from err
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # a refused or failed conversion leaves nothing
     log.info(
-        "converted DeepSpeed checkpoint %s to a universal checkpoint at %s (%.1f s); it is removed when "
-        "this launch ends",
+        "converted %s checkpoint %s to a universal checkpoint at %s (%.1f s); it is removed when this launch ends",
+        "DeepSpeed" if whole_groups is None else "whole-state",
         checkpoint,
         target,
         time.perf_counter() - started,
@@ -250,6 +287,29 @@ def separate_step_counters(zero_optimizer: Any) -> int:
                 split += 1
             seen.add(id(step))
     return split
+
+
+def restore_group_settings(zero_optimizer: Any, universal: Path) -> int:
+    """Give each parameter group its own settings (lr, weight_decay, ...) again after a ZeRO-3
+    universal load; returns how many groups it set.
+
+    DeepSpeed 0.19.8's `load_hp_checkpoint_state_from_checkpoint_dir_stage3` copies the settings of
+    group 0 into every group, so HF's no-decay group (norms, biases) decays after the resume: with
+    weight_decay 0.5 a resumed ZeRO-3 run left the uninterrupted curve by 1.3e-4 relative one step
+    after the resume and 2e-4 after two. The universal checkpoint keeps every group's settings in
+    zero/optimizer_state.pt, in the optimizer's group order, which ZeRO-3 keeps (sub-groups step
+    inside their own group)."""
+    inner = getattr(zero_optimizer, "optimizer", None)  # the torch optimizer ZeRO steps
+    tag = universal / "latest_universal"
+    if inner is None or not tag.is_file():
+        return 0
+    state = universal / tag.read_text(encoding="utf-8").strip() / "zero" / "optimizer_state.pt"
+    saved = torch.load(state, map_location="cpu", weights_only=True)["param_groups"]
+    if len(saved) != len(inner.param_groups):
+        return 0
+    for group, theirs in zip(inner.param_groups, saved, strict=True):
+        group.update({key: value for key, value in theirs.items() if key != "params"})
+    return len(saved)
 
 
 # ---- torch DCP (FSDP2) into a plain model and optimizer ----
@@ -334,6 +394,67 @@ def _load_in_this_process(state: dict[str, Any], directory: Path) -> None:
         dcp.load(state, checkpoint_id=str(directory), no_dist=True)
 
 
+# ---- whole states (one process, DDP) into sharded parameters (FSDP2, FSDP2 + TP) ----
+
+_WHOLE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+
+
+def has_whole_states(checkpoint: Path) -> bool:
+    """Whether `checkpoint` holds a whole model and optimizer as HF writes them in one process or
+    a DDP replica (model.safetensors, optimizer.pt), rather than torch DCP shards."""
+    return not is_dcp_checkpoint(checkpoint) and any((checkpoint / name).is_file() for name in _WHOLE_WEIGHTS)
+
+
+def load_whole_model(model: torch.nn.Module, checkpoint: Path) -> None:
+    """A whole model's weights into `model`, whose parameters are sharded DTensors (FSDP2, on a 1-D
+    or a 2-D tensor-parallel mesh): every rank reads the file and keeps its own shard (torch's
+    `set_model_state_dict` with full state dicts distributes each tensor to the parameter's mesh and
+    placements). A tied output head is absent from the file; it is the embedding's parameter."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    weights = whole_weights(checkpoint)
+    expected = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
+    missing = sorted({name for name, _ in model.named_parameters()} - set(weights))
+    if missing:
+        raise UserInputError(
+            f"train.resume: {checkpoint} holds no weights for {', '.join(missing[:5])}: it was written for "
+            "another model; resume it with the model config that wrote it"
+        )
+    state: dict[str, Any] = {key: value for key, value in weights.items() if key in expected}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def load_whole_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
+    """A whole optimizer state (HF's optimizer.pt of one process: moments keyed by position in the
+    parameter groups) into the `optimizer` of the sharded `model`. Both optimizers were built the
+    same way from the same model (HF's decay / no-decay groups in parameter order), so position i
+    of group g is the same parameter; torch's `set_optimizer_state_dict` then keys by parameter name
+    and keeps each rank's shard of every moment."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+    saved = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=True)
+    names = {id(param): name for name, param in model.named_parameters()}
+    shapes = [len(group["params"]) for group in saved["param_groups"]]
+    if shapes != [len(group["params"]) for group in inner.param_groups]:
+        raise UserInputError(
+            f"train.resume: {checkpoint}/optimizer.pt holds parameter groups of {shapes} parameters and this "
+            f"run's optimizer {[len(g['params']) for g in inner.param_groups]}: another model or optimizer "
+            "wrote it; resume it with the config that wrote it"
+        )
+    state: dict[str, Any] = {}
+    groups = []
+    for theirs, ours in zip(saved["param_groups"], inner.param_groups, strict=True):
+        fqns = [names[id(param)] for param in ours["params"]]
+        for index, fqn in zip(theirs["params"], fqns, strict=True):
+            if index in saved["state"]:
+                state[fqn] = saved["state"][index]
+        groups.append({**theirs, "params": fqns})
+    set_optimizer_state_dict(
+        model, inner, {"state": state, "param_groups": groups}, options=StateDictOptions(full_state_dict=True)
+    )
+
+
 # ---- RNG states of another world size ----
 
 
@@ -372,9 +493,11 @@ class ReshardResume:
     """Trainer mixin: resumes checkpoints another world size wrote (the module's table).
 
     - `train`: where the DeepSpeed config loads universal checkpoints, rank 0 converts the
-      checkpoint first (the others wait) and HF resumes from the converted directory; a rollback
-      in the same launch passes here too.
-    - `_load_optimizer_and_scheduler`: also splits the step counters of a ZeRO-3 universal load.
+      checkpoint first (a ZeRO one with `ds_to_universal`, whole states with `whole_to_universal`;
+      the others wait) into this run's checkpoints/.staging and HF resumes from the converted
+      directory; a rollback in the same launch passes here too.
+    - `_load_optimizer_and_scheduler`: also splits the step counters of a ZeRO-3 universal load and
+      gives each parameter group its own settings again.
     - `_load_from_checkpoint` / `_load_optimizer_and_scheduler`: an FSDP2 checkpoint resumed
       without FSDP loads into the plain model and optimizer (HF refuses it there).
     - `_load_rng_state`: a rank with no RNG file of its own continues a writer rank's.
@@ -387,20 +510,35 @@ class ReshardResume:
         if resume_from_checkpoint is None or not loads_universal(trainer.args.deepspeed):
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)  # type: ignore[misc]
         checkpoint = Path(resume_from_checkpoint)
+        target = universal_dir(checkpoint, Path(trainer.args.output_dir))
         if trainer.is_world_process_zero():
-            convert_to_universal(checkpoint)
+            whole = not is_zero_checkpoint(checkpoint) and has_whole_states(checkpoint)
+            convert_to_universal(
+                checkpoint,
+                target,
+                whole_groups=optimizer_group_names(trainer) if whole else None,
+                zero_stage=zero_stage_of(trainer.args.deepspeed),
+            )
         wait_for_everyone()
         try:
-            return super().train(str(universal_dir(checkpoint)), trial, ignore_keys_for_eval)  # type: ignore[misc]
+            return super().train(str(target), trial, ignore_keys_for_eval)  # type: ignore[misc]
         finally:
             if trainer.is_world_process_zero():  # derived data: the next launch that needs it converts again
-                shutil.rmtree(universal_dir(checkpoint), ignore_errors=True)
+                shutil.rmtree(target, ignore_errors=True)
 
     def _load_from_checkpoint(
         self, resume_from_checkpoint: str, model: torch.nn.Module | None = None
     ) -> None:
         trainer: Any = self
         checkpoint = Path(resume_from_checkpoint)
+        if trainer.is_fsdp_enabled and has_whole_states(checkpoint):
+            # accelerate's FSDP2 load reads torch DCP shards only
+            if trainer.is_world_process_zero():
+                log.info(
+                    "resuming the whole model and optimizer of %s: each rank keeps its shards", checkpoint
+                )
+            load_whole_model(model if model is not None else trainer.model, checkpoint)
+            return
         if trainer.is_fsdp_enabled or not is_dcp_checkpoint(checkpoint):
             super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
             return
@@ -415,6 +553,14 @@ class ReshardResume:
         ):
             # HF calls this right after DeepSpeed loaded the checkpoint into its engine.
             separate_step_counters(trainer.model_wrapped.optimizer)
+            if zero_stage_of(trainer.args.deepspeed) == 3:
+                restore_group_settings(trainer.model_wrapped.optimizer, Path(checkpoint))
+        if checkpoint is not None and trainer.is_fsdp_enabled and has_whole_states(Path(checkpoint)):
+            load_whole_optimizer(trainer.model, trainer.optimizer, Path(checkpoint))
+            trainer.lr_scheduler.load_state_dict(
+                torch.load(Path(checkpoint) / "scheduler.pt", weights_only=True)
+            )
+            return
         plain = not (trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled)
         # accelerate's FSDP2 load reads group settings by position: a flattened checkpoint (pipeline
         # stages wrote it) loads here, under FSDP2 too.

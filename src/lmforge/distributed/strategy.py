@@ -18,6 +18,7 @@ import psutil
 import torch
 
 from lmforge.config import LmforgeConfig
+from lmforge.config.layout_rules import layout_problems, pipeline_microbatches
 from lmforge.config.schema import DistributedConfig, TrainConfig
 from lmforge.distributed.accelerate_launch import (
     accelerate_choice,
@@ -112,7 +113,14 @@ class Plan:
             if d > 1
         ]
         kind = " x ".join(["fsdp", *models] if layout.data > 1 else models)
-        return f"{kind} ({len(layout.mesh_dims())}-D mesh {layout.describe()}{offload})"
+        schedule = ""
+        if layout.pipeline > 1:
+            settings = self.settings
+            schedule = (
+                f"; schedule {settings.pipeline_schedule}, {pipeline_microbatches(settings)} pipeline "
+                "micro-batches per micro-batch"
+            )
+        return f"{kind} ({len(layout.mesh_dims())}-D mesh {layout.describe()}{offload}{schedule})"
 
     def describe(self) -> str:
         return f"{self.describe_engine()} on {self.world.size} process(es): {self.reason}"
@@ -125,15 +133,8 @@ def plan_for(cfg: LmforgeConfig, *, precision: str, on_gpu: bool, world: World |
     settings, reason = _chosen_settings(cfg, world, on_gpu=on_gpu)
     reason = launcher_reason or reason
     engine: Engine = "deepspeed" if settings.deepspeed_config is not None else settings.strategy  # type: ignore[assignment]
+    _check_layout_rules(cfg, settings)
     layout = _layout(cfg, settings, world)
-    if layout.tensor > 1:
-        _check_tensor_parallel(cfg, settings, engine)
-    if layout.context > 1:
-        _check_context_parallel(cfg, settings, engine)
-    if layout.pipeline > 1:
-        _check_pipeline_parallel(cfg, settings, engine)
-    if layout.expert > 1:
-        _check_expert_parallel(cfg, settings, engine)
     if engine == "none" and world.size > 1:
         raise UserInputError(
             f"distributed.strategy is none but {world.size} workers were launched; "
@@ -177,144 +178,19 @@ def _layout(cfg: LmforgeConfig, settings: DistributedConfig, world: World) -> La
     return layout
 
 
-def _check_tensor_parallel(cfg: LmforgeConfig, settings: DistributedConfig, engine: str) -> None:
-    """What the tensor-parallel engine (distributed/tensor_parallel.py) cannot run, all reasons at once.
-    Adapters are refused with strategy fsdp by config/cross_checks.py (measured under TP: PEFT's
-    full-width adapter output meets the rank's slice of the base layer, a shape error)."""
-    degree = settings.tensor_parallel
-    problems = []
-    if engine != "fsdp":
-        problems.append(
-            f"distributed.strategy: {settings.strategy} with tensor_parallel: {degree}: tensor parallelism runs on "
-            "FSDP2's (data_shard x tensor) device mesh; set distributed.strategy: fsdp (with tensor_parallel equal "
-            "to the number of processes FSDP2 shards nothing and the run is tensor parallel alone)"
-        )
-    if cfg.train.stage in ("dpo", "kto"):
-        problems.append(
-            f"train.stage: {cfg.train.stage} with tensor_parallel: {degree}: TRL prepares the reference model with "
-            "accelerate's FSDP2 path, which needs a ParallelismConfig accelerate cannot take for this mesh "
-            "(measured: AttributeError 'fsdp_dim_names' in trl prepare_fsdp); set distributed.tensor_parallel: 1 "
-            "(strategy fsdp alone shards this stage)"
-        )
-    if cfg.train.stage in ("grpo", "rloo") and cfg.train.rl.beta > 0:
-        problems.append(
-            f"train.rl.beta: {cfg.train.rl.beta} with tensor_parallel: {degree}: rank 0 writes the reference model "
-            "from the sharded one alone, and gathering its slices is a collective the other ranks never join "
-            "(measured: a hang); set train.rl.beta: 0 or distributed.tensor_parallel: 1"
-        )
+def _check_layout_rules(cfg: LmforgeConfig, settings: DistributedConfig) -> None:
+    """What the mesh engines (distributed/tensor_parallel.py, context_parallel.py,
+    pipeline_parallel.py, expert_parallel.py) cannot run, all reasons at once: config/layout_rules.py's
+    table, which already refused the config at load, checked again on the settings this worker
+    resolved (strategy auto, an accelerate config's engine) with the same words. Adapters are
+    refused with strategy fsdp by config/cross_checks.py; what needs the architecture by
+    distributed/layout.py."""
+    problems = layout_problems(cfg.model_copy(update={"distributed": settings}))
     if problems:
-        raise UserInputError("distributed.tensor_parallel cannot run this:\n  - " + "\n  - ".join(problems))
-
-
-def _check_context_parallel(cfg: LmforgeConfig, settings: DistributedConfig, engine: str) -> None:
-    """What context parallelism (distributed/context_parallel.py) cannot run, all reasons at once.
-    Adapters are refused with strategy fsdp by config/cross_checks.py; sliding-window layers by
-    distributed/layout.py, which reads the architecture."""
-    degree, train, data = settings.context_parallel, cfg.train, cfg.data
-    key = f"context_parallel: {degree}"
-    problems = []
-    if engine != "fsdp":
-        problems.append(
-            f"distributed.strategy: {settings.strategy} with {key}: the context ranks of a sequence hold different "
-            "tokens and their gradients are summed by FSDP2 over the (data x context) mesh; set "
-            "distributed.strategy: fsdp (with context_parallel equal to the number of processes FSDP2 shards "
-            "the weights over the context ranks alone)"
+        raise UserInputError(
+            "distributed: this layout cannot run:\n  - "
+            + "\n  - ".join(f"{key}: {message}" for key, message in problems)
         )
-    if train.stage not in ("pretrain", "sft"):
-        problems.append(
-            f"train.stage: {train.stage} with {key}: the split sequences carry a token-level language-model loss "
-            "(pretrain, sft); a preference or RL loss sums each sequence's log-probabilities, which no rank holds "
-            "whole; set distributed.context_parallel: 1"
-        )
-    if cfg.model.attn_implementation != "sdpa":
-        problems.append(
-            f"model.attn_implementation: {cfg.model.attn_implementation} with {key}: ring attention replaces "
-            "torch's scaled_dot_product_attention; set model.attn_implementation: sdpa"
-        )
-    for setting, on in (("data.packing: true", data.packing), ("data.padding_free: true", data.padding_free)):
-        if on:
-            problems.append(
-                f"{setting} with {key}: ring attention runs one causal mask over the whole row, so packed samples "
-                "would attend to each other; turn it off (each sample its own row) or set context_parallel: 1"
-            )
-    if train.kernels == "liger":
-        problems.append(
-            f"train.kernels: liger with {key}: not measured with torch's ring attention, which swaps the "
-            "attention function while each step runs; remove train.kernels, or set context_parallel: 1"
-        )
-    if problems:
-        raise UserInputError("distributed.context_parallel cannot run this:\n  - " + "\n  - ".join(problems))
-
-
-def _check_expert_parallel(cfg: LmforgeConfig, settings: DistributedConfig, engine: str) -> None:
-    """What expert parallelism (distributed/expert_parallel.py) cannot run, all reasons at once.
-    Adapters are refused with strategy fsdp by config/cross_checks.py."""
-    degree, stage = settings.expert_parallel, cfg.train.stage
-    problems = []
-    if engine != "fsdp":
-        problems.append(
-            f"distributed.strategy: {settings.strategy} with expert_parallel: {degree}: the ranks hold different "
-            "experts, so DDP's all-reduce would average unrelated gradients; set distributed.strategy: fsdp "
-            "(FSDP2 shards the dense layers over the data ranks, the experts are split between them)"
-        )
-    if stage in ("dpo", "kto") or (stage in ("grpo", "rloo") and cfg.train.rl.beta > 0):
-        problems.append(
-            f"train.stage: {stage} with expert_parallel: {degree}: the reference model would run its own "
-            "forward on some ranks only, and every expert-parallel forward is a collective over the expert "
-            "group (a hang); set distributed.expert_parallel: 1"
-            + (" or train.rl.beta: 0" if stage in ("grpo", "rloo") else "")
-        )
-    if problems:
-        raise UserInputError("distributed.expert_parallel cannot run this:\n  - " + "\n  - ".join(problems))
-
-
-def _check_pipeline_parallel(cfg: LmforgeConfig, settings: DistributedConfig, engine: str) -> None:
-    """What the pipeline engine (distributed/pipeline_parallel.py) cannot run, all reasons at once.
-    Adapters are refused with strategy fsdp by config/cross_checks.py."""
-    stages, train = settings.pipeline_parallel, cfg.train
-    chunks = settings.pipeline_microbatches or stages
-    problems = []
-    if engine != "fsdp":
-        problems.append(
-            f"distributed.strategy: {settings.strategy} with pipeline_parallel: {stages}: pipeline stages run on "
-            "FSDP2's (pipeline x data_shard) device mesh; set distributed.strategy: fsdp (with pipeline_parallel "
-            "equal to the number of processes FSDP2 shards nothing and the run is pipeline parallel alone)"
-        )
-    if train.stage not in ("pretrain", "sft"):
-        problems.append(
-            f"train.stage: {train.stage} with pipeline_parallel: {stages}: the pipeline step computes the "
-            "causal language-model loss only (pretrain, sft); set distributed.pipeline_parallel: 1"
-        )
-    unsupported = {
-        "train.precision: fp16": train.precision == "fp16",  # the loss scaler steps outside the schedule
-        "train.compile: true": train.compile,
-        "train.kernels: liger": train.kernels == "liger",
-        "train.chunked_cross_entropy: true": train.chunked_cross_entropy,
-        "train.activation_offload: true": train.activation_offload,
-    }
-    for setting, on in unsupported.items():
-        if on:
-            problems.append(
-                f"{setting} with pipeline_parallel: {stages}: the pipeline schedule runs each stage's plain forward "
-                "and the last stage's own cross-entropy; turn it off, or set distributed.pipeline_parallel: 1"
-            )
-    if train.micro_batch_size < chunks:
-        problems.append(
-            f"train.micro_batch_size {train.micro_batch_size} is smaller than the {chunks} pipeline micro-batches "
-            "it is cut into; raise train.micro_batch_size or lower distributed.pipeline_microbatches"
-        )
-    if settings.pipeline_schedule == "1f1b" and chunks < stages:
-        problems.append(
-            f"distributed.pipeline_microbatches {chunks} < {stages} stages: 1f1b needs one micro-batch per stage; "
-            f"raise it to {stages} or use pipeline_schedule: gpipe"
-        )
-    if settings.pipeline_schedule == "interleaved_1f1b" and chunks % stages:
-        problems.append(
-            f"distributed.pipeline_microbatches {chunks}: interleaved_1f1b runs rounds of one micro-batch per "
-            f"rank, so it must be a multiple of pipeline_parallel ({stages})"
-        )
-    if problems:
-        raise UserInputError("distributed.pipeline_parallel cannot run this:\n  - " + "\n  - ".join(problems))
 
 
 def _has_sequence_parallel_plan(hf_config: Any) -> bool:
@@ -418,12 +294,8 @@ def _layout_settings(
             "expert_parallel": row.expert,
         }
     )
-    checks = ((row.tensor, _check_tensor_parallel), (row.context, _check_context_parallel),
-              (row.pipeline, _check_pipeline_parallel), (row.expert, _check_expert_parallel))  # fmt: skip
     try:
-        for degree, check in checks:
-            if degree > 1:
-                check(cfg, chosen, "fsdp")
+        _check_layout_rules(cfg, chosen)
         plan_layout(chosen, hf_config, world_size)
     except UserInputError:
         return None

@@ -87,8 +87,18 @@ def record_worker_errors(fn: Callable[_P, _R]) -> Callable[_P, _R | None]:
     def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R | None:
         if "TORCHELASTIC_ERROR_FILE" not in os.environ:
             return fn(*args, **kwargs)
-        from torch.distributed.elastic.multiprocessing.errors import record
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-        return record(fn)(*args, **kwargs)
+        try:
+            return record(fn)(*args, **kwargs)
+        except (SystemExit, KeyboardInterrupt, GeneratorExit):
+            raise
+        except Exception:
+            raise  # `record` wrote it
+        except BaseException as err:
+            # `record` writes Exceptions only; torch DCP's CheckpointException (a failed load or save on
+            # any rank) derives from BaseException, and the launcher said "no error recorded" for it.
+            ErrorHandler().record_exception(err)
+            raise
 
     return wrapper

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 
+from lmforge.config.stage_guardrails import stage_guardrails
 from lmforge.monitor.run_view import (
     DATA_BOUND_SHARE,
     MIN_POINTS,
@@ -59,6 +60,8 @@ def check_loss_trend(run: RunView) -> list[Finding]:
 
 
 def check_unstable(run: RunView) -> list[Finding]:
+    if "spike" not in stage_guardrails(run.cfg.train.stage):
+        return []  # online RL: the policy loss sits near zero and changes sign (config/stage_guardrails.py)
     losses = [v for _, v in run.losses]
     steps = [s for s, _ in run.losses]
     spikes = [

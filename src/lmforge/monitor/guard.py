@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from lmforge.config.schema import GuardConfig
+from lmforge.config.stage_guardrails import stage_guardrails
 
 # alert: the update stands; the event is recorded and sent to the configured alerts (RL signals).
 Action = Literal["apply", "skip", "rollback", "stop", "alert"]
@@ -39,6 +40,14 @@ class LogJudge(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
     def rewind(self, state: dict[str, Any] | None) -> None: ...
+
+
+def stage_guard_settings(cfg: GuardConfig, stage: str) -> GuardConfig:
+    """`cfg` with the rules that do not fit `stage`'s loss switched off (config/stage_guardrails.py):
+    online RL's policy loss sits near zero and changes sign, so the loss-spike rule is off there."""
+    if "spike" in stage_guardrails(stage) or cfg.spike == "off":
+        return cfg
+    return cfg.model_copy(update={"spike": "off"})
 
 
 @dataclass

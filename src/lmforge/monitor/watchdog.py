@@ -2,7 +2,10 @@
 
 StallWatchdog: a daemon thread; when no `beat()` came for `stall_seconds`, every thread's
 stack goes to <run>/stacks/stall-rank<R>-<time>.txt (faulthandler: works even when the main
-thread is stuck in C code) and `on_stall` is called once per stall.
+thread is stuck in C code) and `on_stall` is called once per stall. It also lets the launcher ask
+for the stacks (`REQUEST_SIGNAL`, into `requested_stacks_file`): a rank that cannot notice its own
+stall (stopped, or its watchdog thread starved) still gets its stacks saved before the launch ends
+it (distributed/stall_watch.py).
 
 StopSignals: the first SIGTERM/SIGINT asks for a checkpoint at the next step boundary and a
 clean exit; a second one exits at once.
@@ -10,6 +13,7 @@ clean exit; a second one exits at once.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
 import os
@@ -19,6 +23,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import Any
+
+from lmforge.distributed.stall_watch import REQUEST_SIGNAL, requested_stacks_file
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +42,14 @@ class StallWatchdog:
         self._reported = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="lmforge-stall-watchdog", daemon=True)
+        self._requested: Any = None  # the open file faulthandler writes a requested dump to
 
     def start(self) -> None:
         self._thread.start()
+        if threading.current_thread() is threading.main_thread():
+            self.stacks_dir.mkdir(parents=True, exist_ok=True)
+            self._requested = requested_stacks_file(self.stacks_dir, self.rank).open("w")
+            faulthandler.register(REQUEST_SIGNAL, file=self._requested, all_threads=True)
 
     def beat(self) -> None:
         self._last = time.monotonic()
@@ -46,6 +58,15 @@ class StallWatchdog:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self._requested is not None:
+            faulthandler.unregister(REQUEST_SIGNAL)
+            self._requested.close()
+            path = Path(self._requested.name)
+            self._requested = None
+            if path.stat().st_size == 0:  # nobody asked: leave no file (and no empty stacks/) behind
+                path.unlink()
+                with contextlib.suppress(OSError):
+                    self.stacks_dir.rmdir()
 
     def _watch(self) -> None:
         poll = min(max(self.stall_seconds / 10, 0.05), 5.0)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from lmforge.config.dotted import flatten
-from lmforge.config.schema import DistributedConfig, ModelConfig, TrainConfig
+from lmforge.config.schema import RL_STAGES, DistributedConfig, ModelConfig, TrainConfig
 from lmforge.report.generation_section import generation_section
 from lmforge.report.html import (
     esc,
@@ -108,8 +108,17 @@ def summary_table(run: RunSummary) -> str:
         ("started", fmt_time(run.started)),
         ("duration", fmt_duration(run.duration_s)),
         ("steps", f"{run.last_step if run.last_step is not None else 0} of {_planned_steps(train)}"),
-        ("final train loss", f"{fmt_number(loss[1])} (step {loss[0]})" if loss else "not recorded"),
-        ("final eval loss", f"{fmt_number(eval_loss[1])} (step {eval_loss[0]})" if eval_loss else "no eval"),
+        *(
+            _reward_headline(run)  # online RL: the reward is the measure, its policy loss sits near 0
+            if train is not None and train.stage in RL_STAGES
+            else [
+                ("final train loss", f"{fmt_number(loss[1])} (step {loss[0]})" if loss else "not recorded"),
+                (
+                    "final eval loss",
+                    f"{fmt_number(eval_loss[1])} (step {eval_loss[0]})" if eval_loss else "no eval",
+                ),
+            ]
+        ),
         ("best eval", f"{best[0]} {fmt_number(best[1])} (step {best[2]})" if best else "no eval"),
         ("tokens seen", fmt_number(_last_value(run, "tokens_seen"))),
         ("median tokens/s", fmt_number(_median(throughput.finite()) if throughput else None)),
@@ -117,6 +126,38 @@ def summary_table(run: RunSummary) -> str:
         ("final model", str(RunPaths(run.root).final) if run.has_final else "none"),
     ]
     return key_values(rows)
+
+
+REWARD_SPAN = 10  # logged steps averaged at each end of an RL run's reward
+
+
+def _reward_headline(run: RunSummary) -> list[tuple[str, Any]]:
+    """An online-RL run's summary rows: the reward (its first and last logged steps' means, as one
+    step's reward is noisy), the eval reward, then the policy loss, said to be near zero by design."""
+    reward, eval_reward = run.last_finite("reward"), run.last_finite("eval_reward")
+    loss = run.last_finite("loss")
+    series = run.series.get("reward")
+    values = series.finite() if series is not None else np.array([])
+    span = min(REWARD_SPAN, len(values))
+    trend = (
+        f"; mean of the first {span} logged steps {fmt_number(float(values[:span].mean()))} -> "
+        f"last {span} {fmt_number(float(values[-span:].mean()))}"
+        if len(values) >= 2
+        else ""
+    )
+    return [
+        ("final reward", f"{fmt_number(reward[1])} (step {reward[0]}){trend}" if reward else "not recorded"),
+        (
+            "final eval reward",
+            f"{fmt_number(eval_reward[1])} (step {eval_reward[0]})" if eval_reward else "no eval",
+        ),
+        (
+            "final policy loss",
+            f"{fmt_number(loss[1])} (step {loss[0]}; near zero by design in online RL: judge the run by its reward)"
+            if loss
+            else "not recorded",
+        ),
+    ]
 
 
 def curves(run: RunSummary) -> str:

@@ -8,6 +8,10 @@ charted without a change here.
 
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
+
+import numpy as np
+
 from lmforge.monitor.metrics import RL_METRIC_PREFIXES
 from lmforge.report.html import esc
 from lmforge.report.load import RunSummary
@@ -15,13 +19,29 @@ from lmforge.report.moe_section import expert_load_section
 from lmforge.report.plots import PALETTE, Chart, Line, render_chart
 
 MOE_TITLE = "Mixture of experts"
+RL_TITLE = "Reinforcement learning"
 # (section title, key prefixes); a key belongs to the first family whose prefix it starts with.
 # The per-layer, per-expert counts (moe/layer{i}/...) are tables after the MoE charts, not charts.
 FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("Reinforcement learning", RL_METRIC_PREFIXES),
+    (RL_TITLE, RL_METRIC_PREFIXES),
     (MOE_TITLE, ("moe_", "aux_loss", "router_", "expert_")),
 )
 MAX_CHARTS = 16  # per family: a page stays readable whatever a stage logs
+# The RL charts in the order a reader asks: is the reward rising (total, then each reward), is it
+# still learning (spread, groups without signal), how far from the start (KL, entropy), then the
+# completions and the clip fractions. Metrics matching none come after; flat series come last.
+RL_ORDER = (
+    "reward",
+    "rewards/*/mean",
+    "reward_std",
+    "rewards/*/std",
+    "frac_reward_zero_std",
+    "kl",
+    "entropy",
+    "completions/mean_length",
+    "completions/*",
+    "clip_ratio*",
+)
 
 
 def stage_metric_keys(run: RunSummary, prefixes: tuple[str, ...]) -> list[str]:
@@ -33,11 +53,30 @@ def stage_metric_keys(run: RunSummary, prefixes: tuple[str, ...]) -> list[str]:
     )
 
 
+def rl_chart_order(run: RunSummary, keys: list[str]) -> list[str]:
+    """`keys` in RL_ORDER, each metric's train series before its eval_ series; series that never
+    change (a clip ratio that stays 0) after every other."""
+
+    def rank(key: str) -> tuple[bool, int, str, bool]:
+        name = key.removeprefix("eval_")
+        place = next((i for i, pattern in enumerate(RL_ORDER) if fnmatchcase(name, pattern)), len(RL_ORDER))
+        return (_flat(run, key), place, name, key.startswith("eval_"))
+
+    return sorted(keys, key=rank)
+
+
+def _flat(run: RunSummary, key: str) -> bool:
+    values = run.series[key].finite()
+    return len(values) > 1 and bool(np.all(values == values[0]))
+
+
 def stage_metrics_sections(run: RunSummary) -> str:
     """One <h2> section per family the run recorded, with one chart per metric; "" for none."""
     parts = []
     for title, prefixes in FAMILIES:
         keys = stage_metric_keys(run, prefixes)
+        if title == RL_TITLE:
+            keys = rl_chart_order(run, keys)
         tables = expert_load_section(run) if title == MOE_TITLE else ""
         if not keys and not tables:
             continue
@@ -52,7 +91,11 @@ def stage_metrics_sections(run: RunSummary) -> str:
             )
             for key in keys[:MAX_CHARTS]
         ]
-        more = len(keys) - MAX_CHARTS
-        note = f'<p class="missing">{more} more in metrics.jsonl</p>' if more > 0 else ""
+        more = keys[MAX_CHARTS:]
+        note = (
+            f'<p class="missing">{len(more)} more in metrics.jsonl: {esc(", ".join(more))}</p>'
+            if more
+            else ""
+        )
         parts.append(f'<h2>{esc(title)}</h2><div class="charts">{"".join(charts)}</div>{note}{tables}')
     return "".join(parts)

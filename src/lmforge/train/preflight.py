@@ -11,6 +11,7 @@ import importlib.util
 import torch
 
 from lmforge.config import LmforgeConfig
+from lmforge.config.rl_rules import reward_model_problems
 from lmforge.config.schema import (
     OPTIMIZERS_ON_GPU_ONLY,
     RL_STAGES,
@@ -41,6 +42,9 @@ def check_machine_requirements(cfg: LmforgeConfig) -> None:
     require_eval_generation_packages(cfg.monitor)  # BERTScore without the bertscore extra
     if cfg.train.stage in RL_STAGES:
         uses_vllm(cfg.train.rl)  # generation: vllm without CUDA + the vllm package
+        missing = reward_model_problems(cfg)  # a kind: model reward whose directory is not there
+        if missing:
+            raise UserInputError("\n".join(f"{key}: {message}" for key, message in missing))
 
 
 def check_recipe_runs_here(train: TrainConfig) -> None:

@@ -85,7 +85,9 @@ def build_reward_functions(
             )
     names = _unique_names([reward.label for reward in rewards])
     functions = [
-        _checked(_build_one(index, reward, tokenizer, device), name, group_size)
+        # The first function also puts each row's reference answer in TRL's completion log
+        # (rl_samples.jsonl shows it next to the completion and its reward).
+        _checked(_build_one(index, reward, tokenizer, device), name, group_size, logs_reference=index == 0)
         for index, (reward, name) in enumerate(zip(rewards, names, strict=True))
     ]
     return RewardSet(functions, [reward.weight for reward in rewards], announcement)
@@ -247,10 +249,14 @@ def _reference_readings(reference: str) -> list[str]:
     return [f"${reference}$", reference]
 
 
-def _checked(function: RewardFn, name: str, group_size: int) -> RewardFn:
-    """`function` under the rules every reward follows, named `name` (TRL's metric name)."""
+def _checked(function: RewardFn, name: str, group_size: int, *, logs_reference: bool = False) -> RewardFn:
+    """`function` under the rules every reward follows, named `name` (TRL's metric name).
+    `logs_reference`: also hand the batch's reference answers to TRL's `log_extra`, which keeps
+    them in the trainer's completion log next to the prompts (`_logs["extra"]["answer"]`)."""
 
     def reward(**kwargs: Any) -> list[float]:
+        if logs_reference and REFERENCE_COLUMN in kwargs and callable(kwargs.get("log_extra")):
+            kwargs["log_extra"](REFERENCE_COLUMN, [_logged_reference(r) for r in kwargs[REFERENCE_COLUMN]])
         try:
             values = function(**kwargs)
         except Exception as err:
@@ -259,6 +265,10 @@ def _checked(function: RewardFn, name: str, group_size: int) -> RewardFn:
 
     reward.__name__ = reward.__qualname__ = name
     return reward
+
+
+def _logged_reference(value: Any) -> str | None:
+    return None if value is None else str(value).strip()
 
 
 def _finite_floats(values: Any, name: str, group_size: int, kwargs: dict[str, Any]) -> list[float]:

@@ -19,7 +19,7 @@ from lmforge.monitor.metrics import drop_records_after
 from lmforge.monitor.run_artifacts import Sample
 from lmforge.monitor.run_monitor import RunMonitor
 from lmforge.train.eval_generations import append_samples
-from lmforge.train.rewards import completion_text
+from lmforge.train.rewards import REFERENCE_COLUMN, completion_text
 
 log = logging.getLogger(__name__)
 
@@ -71,16 +71,22 @@ class RlSamples(TrainerCallback):
 
 
 def latest_samples(logs: dict[str, Any] | None, count: int, weights: list[float]) -> list[Sample]:
-    """The newest `count` (prompt, completion, total reward) of TRL's completion log."""
+    """The newest `count` (prompt, completion, reference answer, total reward) of TRL's completion
+    log. The reference is the row's answer, which the first reward function logs as an extra column
+    (train/rewards.py); None for data without reference answers."""
     if not logs or not logs.get("prompt"):
         return []
     prompts, completions = list(logs["prompt"]), list(logs["completion"])
     rewards = [list(values) for values in logs["rewards"].values()]
+    references = list((logs.get("extra") or {}).get(REFERENCE_COLUMN, []))
+    if len(references) != len(prompts):  # not logged for every completion: none rather than misaligned
+        references = [None] * len(prompts)
     start = max(len(prompts) - count, 0)
     return [
         Sample(
             prompt=_prompt_text(prompts[i]),
             completion=completion_text(completions[i]),
+            reference=references[i],
             reward=_total(i, rewards, weights),
         )
         for i in range(start, len(prompts))
