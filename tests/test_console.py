@@ -5,13 +5,27 @@ The quiet default on a whole pipeline is checked by the quickstart test (tests/t
 
 from __future__ import annotations
 
+import io
+import json
 import logging
+import os
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
+from rich.console import Console
+from transformers import TrainerControl, TrainerState
 
-from lmforge.train.console_progress import format_eval_line, format_step_line
-from lmforge.verbosity import FILE_ONLY, QUIET_CONSOLE, VERBOSE_ENV
+from lmforge.cli.console import apply_verbosity
+from lmforge.cli.train import _change as summary_change
+from lmforge.monitor.events import EventLog
+from lmforge.run_layout import RunPaths
+from lmforge.train.console_progress import ConsoleProgress, format_eval_line, format_step_line
+from lmforge.train.outcome import outcome_of
+from lmforge.train.run_log import run_log
+from lmforge.verbosity import FILE_ONLY, NATIVE_LOG_LEVELS, QUIET_CONSOLE, VERBOSE_ENV
 from tests.conftest import run_cli
 from tests.test_bad_input import write_config
 
@@ -64,3 +78,148 @@ def test_verbose_restores_hf_trainers_raw_output(tmp_path: Path) -> None:
     assert "{'loss'" in printed  # HF's own log dicts
     assert "step 1/2  loss" not in printed  # and not lmforge's lines on top of them
     assert "hf_trainer.logs: step 2: {'loss'" in (tmp_path / "runs" / "verbose" / "train.log").read_text()
+
+
+def test_torch_distributed_notices_stay_in_train_log_and_other_ranks_leave_warnings_to_rank_0(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    fsdp = (
+        "/x/torch/distributed/fsdp/_fully_shard/_fsdp_state.py:331: UserWarning: FSDP2-wrapped module "
+        "(FSDPLlamaForCausalLM) returned a view tensor."
+    )
+    assert not QUIET_CONSOLE.filter(_record("py.warnings", logging.WARNING, fsdp))
+    shown = "/x/lmforge_user_code/torch_distributed_helpers.py:3: UserWarning: the tokenizer has no pad"
+    assert QUIET_CONSOLE.filter(_record("py.warnings", logging.WARNING, shown))  # not inside torch
+
+    def console_of(rank_is_main: bool) -> str:
+        stream = io.StringIO()
+        console = logging.StreamHandler(stream)
+        root = logging.getLogger()
+        root.addHandler(console)
+        run = tmp_path / ("main" if rank_is_main else "other")
+        run.mkdir()
+        try:
+            with run_log(RunPaths(run), is_main=rank_is_main), warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.warn("the tokenizer has no pad", UserWarning, stacklevel=1)
+                logging.getLogger("lmforge.train").warning("a guardrail fired")
+        finally:
+            root.removeHandler(console)
+        return stream.getvalue()
+
+    main, other = console_of(True), console_of(False)
+    assert "the tokenizer has no pad" in main and "a guardrail fired" in main
+    assert "the tokenizer has no pad" not in other and "a guardrail fired" in other  # once, by rank 0
+    assert "the tokenizer has no pad" in (tmp_path / "main" / "train.log").read_text()
+
+
+def test_the_eta_leaves_out_the_first_step_and_its_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first step carries the start-up (workers, compilation): ETA 9:43:42 at step 1 of a 2-minute stage.
+    clock = iter([400.0, 401.0, 402.0])  # step 1 ends at 400 s (its start-up), then 1 s a step
+    monkeypatch.setattr("lmforge.train.console_progress.time.monotonic", lambda: next(clock))
+    progress = ConsoleProgress("pretrain", lambda: {"loss": 2.0})
+    progress.console = Console(file=io.StringIO(), width=200)
+    state = TrainerState(max_steps=100, is_world_process_zero=True)
+    progress.on_train_begin(None, state, TrainerControl())  # type: ignore[arg-type]
+    lines = []
+    for step in (1, 2, 3):
+        state.global_step = step
+        progress.on_step_end(None, state, TrainerControl())  # type: ignore[arg-type]
+        lines.append(format_step_line({"loss": 2.0}, step, 100, progress._eta(state)))
+    assert "ETA" not in lines[0]  # one step timed is the start-up, not a rate
+    assert lines[1].endswith("ETA 0:01:38") and lines[2].endswith("ETA 0:01:37")  # 1 s a step
+    progress.on_train_end(None, state, TrainerControl())  # type: ignore[arg-type]
+
+
+def test_torch_cpp_notices_of_the_profiler_stay_off_the_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    # kineto's `USDT: ... profiler_start` and c10's `CPUAllocator.cpp:245] Memory block of unknown size`
+    # reached the console of a run with monitor.profile; the command line sets their levels first.
+    for name in (VERBOSE_ENV, *NATIVE_LOG_LEVELS):
+        monkeypatch.setenv(name, "")  # so that the test's end restores what was there
+        monkeypatch.delenv(name)
+    apply_verbosity(False)
+    assert {name: os.environ[name] for name in NATIVE_LOG_LEVELS} == NATIVE_LOG_LEVELS
+    script = (
+        "from lmforge.verbosity import quiet_native_logs\n"
+        "quiet_native_logs()\n"
+        "import torch\n"
+        "from torch.profiler import profile, ProfilerActivity\n"
+        "x = torch.randn(64, 64)\n"
+        "with profile(activities=[ProfilerActivity.CPU], profile_memory=True):\n"
+        "    del x\n"
+        "    (torch.randn(64, 64) @ torch.randn(64, 64)).sum()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in NATIVE_LOG_LEVELS}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "USDT" not in result.stderr and "CPUAllocator" not in result.stderr, result.stderr[-2000:]
+
+
+def test_a_finished_run_is_logged_at_info_and_a_guardrail_at_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    events = EventLog(tmp_path)
+    with caplog.at_level(logging.INFO, logger="lmforge.monitor.events"):
+        events.emit("finished", 6, "finished after 6 steps")
+        events.emit("skip", 3, "loss spike")
+    levels = {record.getMessage().split("]")[0]: record.levelname for record in caplog.records}
+    assert levels == {"[finished": "INFO", "[skip": "WARNING"}
+
+
+def _metrics(run: Path, *records: dict[str, float]) -> RunPaths:
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return RunPaths(run)
+
+
+def test_the_summary_compares_with_the_eval_before_training_or_says_there_was_none(tmp_path: Path) -> None:
+    # No train.eval_every: the eval data runs once, at the end; its value is no "before".
+    once = outcome_of(
+        _metrics(
+            tmp_path / "once", {"step": 5, "loss": 5.1}, {"step": 10, "eval_loss": 5.05, "eval_ppl": 155.83}
+        ),
+        10,
+        1000,
+        resumed_from=None,
+    )
+    assert (once.first_eval_ppl, once.last_eval_ppl, once.first_eval_loss) == (None, 155.83, None)
+    assert summary_change(once.first_eval_ppl, 155.83, ".2f") == (
+        "155.83 (at the end; set train.eval_every to also measure the start)"
+    )
+    start = {"step": 0, "eval_loss": 5.69, "eval_ppl": 297.0}
+    both = outcome_of(
+        _metrics(tmp_path / "both", start, {"step": 10, "eval_loss": 5.05, "eval_ppl": 155.83}),
+        10,
+        1000,
+        resumed_from=None,
+    )
+    assert (both.first_eval_ppl, both.last_eval_ppl, both.first_eval_loss) == (297.0, 155.83, 5.69)
+    assert summary_change(both.first_eval_ppl, 155.83, ".2f") == "297.00 -> 155.83"
+
+
+def test_a_lora_run_holds_100_percent_of_its_parameters_after_trl_adds_its_reference_adapter(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # TRL's DPO / KTO / GRPO / RLOO trainers add a frozen copy of the adapter ("ref") while they are
+    # built: counted before, the total was short of it ("holds 4,246,784 of 4,098,816 (103.6%)").
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    from lmforge.train.callbacks import ShardReport
+
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2
+    )
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    report = ShardReport("none")
+    model.add_adapter("ref", LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))  # what TRL does
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with caplog.at_level(logging.INFO, logger="lmforge.train.callbacks"):
+        report.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
+    reference = 2 * 2 * 4 * (32 + 32)  # 2 layers x (q, v) x rank 4 x (in + out)
+    assert sum(p.numel() for name, p in model.named_parameters() if ".ref." in name) == reference
+    whole = sum(p.numel() for p in model.parameters())
+    assert f"rank 0 holds {whole:,} of {whole:,} parameter elements (100.0%, none)" in caplog.text

@@ -140,6 +140,22 @@ def test_each_rank_holds_its_slice_of_every_matrix(runs: Path, run: str) -> None
         assert q_local[0] * q_local[1] * nproc == q_full[0] * q_full[1]  # each rank: 1/world of q_proj
 
 
+def test_each_rank_counts_the_flops_of_its_shard(runs: Path) -> None:
+    """MFU counts each rank's FLOPs against its own peak: a tensor rank computes half of every split
+    matrix (and half of the heads' attention); FSDP2 over the data ranks shards storage only."""
+    seq, layers, hidden, vocab = 32, 2, 64, 256
+    split = 64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 64 * 128  # q, k, v, o, MLP of one layer
+    norms, final_norm, head = 2 * 64, 64, vocab * 64  # the tied embedding counts once, as the head
+
+    def expected(tensor: int) -> float:
+        weights = layers * (split / tensor + norms) + final_norm + head / tensor
+        return 6 * weights + 12 * (layers / tensor) * hidden * seq
+
+    assert _ranks(runs / "single", 1)[0]["flops_per_token"] == expected(1)
+    for run, (processes, _, tensor) in MESHES.items():
+        assert [r["flops_per_token"] for r in _ranks(runs / run, processes)] == [expected(tensor)] * processes
+
+
 def test_a_tensor_group_reads_one_batch_and_the_data_ranks_split_it(runs: Path) -> None:
     single = _ranks(runs / "single", 1)[0]["batches"]
     tp2 = _ranks(runs / "tp2", 2)

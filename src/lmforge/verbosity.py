@@ -43,8 +43,18 @@ ACTIONLESS = (
     # (it pays on CPUs too: bench/RESULTS.md).
     re.compile(r"The speedups for torchdynamo mostly come with GPU Ampere or higher"),
 )
+# Python warnings raised inside torch.distributed (DTensor, FSDP2, DCP: "FSDP2-wrapped module
+# returned a view tensor", ...) are about how lmforge drives those engines, not about anything a
+# user sets: train.log keeps them, the console does not (2 processes printed 7 lines, 4 printed 13).
+ENGINE_INTERNALS = re.compile(r"[/\\]torch[/\\]distributed[/\\]")
 # How logging.captureWarnings formats a warning: "<file>:<line>: <Category>: <message>".
 _CATEGORY = re.compile(r":\d+: (\w+): ")
+# Lines torch's C++ side writes to stderr, past Python's logging: kineto's `USDT: ... profiler_start`
+# / `profiler_stop` markers (kineto's USDT level is 5, so 6 is the first level above it; kineto's
+# errors go too) and c10 warnings such as the memory profiler's `CPUAllocator.cpp:245] Memory block of
+# unknown size was allocated before the profiling started`. c10 reads its variable when torch is
+# imported, kineto at the first profile: set before either, unless the user set them.
+NATIVE_LOG_LEVELS = {"TORCH_CPP_LOG_LEVEL": "ERROR", "KINETO_LOG_LEVEL": "6"}
 DEPRECATIONS = ("FutureWarning", "DeprecationWarning", "PendingDeprecationWarning")
 
 
@@ -56,6 +66,15 @@ def set_verbose(verbose: bool) -> None:
     """Record the choice where child processes (launch workers, sweep trials) inherit it."""
     if verbose:
         os.environ[VERBOSE_ENV] = "1"
+
+
+def quiet_native_logs() -> None:
+    """Keep torch's C++ notices (NATIVE_LOG_LEVELS) off the console of this process and the ones it
+    starts; with --verbose they stay. Call before torch is imported."""
+    if is_verbose():
+        return
+    for name, level in NATIVE_LOG_LEVELS.items():
+        os.environ.setdefault(name, level)
 
 
 def message_category(message: str) -> str | None:
@@ -84,9 +103,11 @@ class QuietConsole(logging.Filter):
         category = warning_category(record)
         if category in DEPRECATIONS:
             return False
+        message = record.getMessage()
+        if category is not None and ENGINE_INTERNALS.search(message.split(f": {category}: ", 1)[0]):
+            return False
         if category is None and record.levelno < logging.WARNING:
             return False
-        message = record.getMessage()
         return not any(pattern.search(message) for pattern in ACTIONLESS)
 
 

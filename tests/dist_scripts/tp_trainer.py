@@ -28,6 +28,7 @@ from lmforge.distributed.fsdp import CpuFsdp, fsdp_training_arguments
 from lmforge.distributed.layout import Layout
 from lmforge.distributed.ranks import leave_process_group
 from lmforge.distributed.tensor_parallel import local_shapes, shard_tensor_parallel
+from lmforge.train.numerics import rank_flops_per_token
 
 SEQ, VOCAB, GLOBAL_BATCH, STEPS = 32, 256, 4, 4
 
@@ -123,6 +124,7 @@ def main(out: Path, tensor: int, context: int, resume: bool) -> None:
         shard_tensor_parallel(model, layout, on_gpu=False)
         prepare_context_parallel(model, layout, on_gpu=False)
         engine = fsdp_training_arguments(model, wrap_layers=False)
+    flops_per_token = rank_flops_per_token(model, SEQ)  # of this rank's shard of the model (MFU)
     batches, record = Batches(), Record()
     args = TrainingArguments(
         output_dir=str(out / "ck"),
@@ -169,6 +171,7 @@ def main(out: Path, tensor: int, context: int, resume: bool) -> None:
         "grad_norms": record.grad_norms,
         "eval_losses": record.eval_losses,
         "lengths": lengths,
+        "flops_per_token": flops_per_token,
     }
     (out / f"{'resume_' if resume else ''}rank{rank}.json").write_text(json.dumps(result, indent=1))
     leave_process_group()

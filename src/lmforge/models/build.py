@@ -183,5 +183,7 @@ def _check_positions(model: PreTrainedModel, max_length: int) -> None:
 
 
 def count_parameters(model: torch.nn.Module) -> int:
-    """Distinct parameters (tied weights counted once)."""
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    """Distinct parameters (tied weights counted once), whole: a DTensor by its global size, a
+    DeepSpeed ZeRO-3 partition by the size of the parameter it is part of (`ds_numel`)."""
+    distinct = {id(p): p for p in model.parameters()}.values()
+    return sum(getattr(p, "ds_numel", None) or p.numel() for p in distinct)

@@ -18,6 +18,9 @@ from lmforge.config.redact import redact_text
 log = logging.getLogger(__name__)
 EVENTS_FILE = "events.jsonl"
 Listener = Callable[[dict[str, Any]], object]
+# Events that report the normal course of a run: logged at INFO, the others (guardrail actions,
+# alerts, stops) at WARNING.
+ROUTINE_KINDS = frozenset({"finished"})
 
 
 class EventLog:
@@ -40,7 +43,8 @@ class EventLog:
                 handle.write(json.dumps(event, default=str) + "\n")
         except OSError as err:  # a full disk must not hide the error being reported
             log.error("could not record the %s event in %s: %s", kind, self.path, err)
-        log.warning("[%s] step %d: %s", kind, step, event["message"])
+        level = logging.INFO if kind in ROUTINE_KINDS else logging.WARNING
+        log.log(level, "[%s] step %d: %s", kind, step, event["message"])
         for listener in self.listeners:
             try:
                 listener(event)

@@ -12,7 +12,6 @@ from lmforge.ckpt.atomic import CheckpointStatus
 from lmforge.config import LmforgeConfig
 from lmforge.config.schema import RL_STAGES
 from lmforge.data.run_data import RunData
-from lmforge.distributed.pipeline_parallel import whole_parameter_count
 from lmforge.distributed.strategy import Plan, engine_arguments
 from lmforge.errors import UserInputError
 from lmforge.models.build import DTYPES
@@ -128,7 +127,7 @@ def assemble_trainer(
         _FinalStepCallback(has_eval),
         # After it: the expert load is taken at each step that logs, the last one included.
         *([experts] if experts is not None else []),
-        ShardReport(whole_parameter_count(model), plan.engine),
+        ShardReport(plan.engine),
         EngineStartup(
             plan.describe_engine(),
             # Only DeepSpeed builds ops at start; the other engines start in seconds.

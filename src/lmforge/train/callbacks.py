@@ -339,27 +339,31 @@ class StopAtTheEnd(TrainerCallback):
 
 class ShardReport(TrainerCallback):
     """Logs, on every rank, how many parameter elements it holds once the engine has wrapped the
-    model: the direct evidence that FSDP / ZeRO-3 shard (each rank holds 1/N) and DDP replicates."""
+    model: the direct evidence that FSDP / ZeRO-3 shard (each rank holds 1/N) and DDP replicates.
 
-    def __init__(self, total: int, engine: str) -> None:
-        self.total = total
+    Both numbers are counted then, on the same model: TRL's preference and online RL trainers add a
+    frozen copy of a LoRA adapter (`ref`) while they are built, so a total counted before held
+    fewer elements than the rank did (103.6%)."""
+
+    def __init__(self, engine: str) -> None:
         self.engine = engine
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         from lmforge.distributed.fsdp import local_parameter_numel
+        from lmforge.distributed.pipeline_parallel import whole_parameter_count
 
         model = kw.get("model")
         if model is None:
             return
-        held = local_parameter_numel(model)
+        held, total = local_parameter_numel(model), whole_parameter_count(model)
         log.info(
             "rank %d holds %s of %s parameter elements (%.1f%%, %s)",
             args.process_index,
             f"{held:,}",
-            f"{self.total:,}",
-            100 * held / max(self.total, 1),
+            f"{total:,}",
+            100 * held / max(total, 1),
             self.engine,
         )
 

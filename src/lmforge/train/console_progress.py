@@ -47,6 +47,8 @@ def format_step_line(record: dict[str, Any], step: int, total: int, eta_s: float
         value = record.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool):
             parts.append(f"{label} {fmt(value) if math.isfinite(value) else value}")
+    if record.get("mfu_peak_uncertain"):  # numerics.mfu: a window beat the measured CPU peak
+        parts.append("MFU n/a (peak uncertain)")
     if eta_s is not None:
         parts.append(f"ETA {timedelta(seconds=round(eta_s))}")
     return "  ".join(parts)
@@ -79,14 +81,16 @@ class ConsoleProgress(TrainerCallback):
         self.console = Console(stderr=True, soft_wrap=True)
         self.progress: Progress | None = None
         self.task: Any = None
-        self.started: tuple[float, int] | None = None  # (time, step) when this process began training
+        # (time, step) at the end of this process's first step: the ETA is timed from there, since
+        # the first step carries the start-up (data loader workers, compilation, allocator warm-up).
+        self.started: tuple[float, int] | None = None
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         if not state.is_world_process_zero or not self.show:
             return
-        self.started = (time.monotonic(), state.global_step)
+        self.started = None
         # Animated on a terminal only; in a pipe or CI log the metric lines say it all.
         self.progress = Progress(
             TextColumn(f"[bold]{self.stage}"),
@@ -105,6 +109,8 @@ class ConsoleProgress(TrainerCallback):
     ) -> None:
         if self.progress is not None:
             self.progress.update(self.task, completed=state.global_step)
+            if self.started is None:
+                self.started = (time.monotonic(), state.global_step)
 
     def on_log(
         self,

@@ -18,12 +18,14 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from lmforge.config import LmforgeConfig
+from lmforge.config.schema import RL_STAGES
+from lmforge.config.stage_guardrails import stage_guardrails
 from lmforge.monitor.events import EventLog
-from lmforge.monitor.guard import Guardrails
+from lmforge.monitor.guard import Guardrails, stage_guard_settings
 from lmforge.monitor.rl_guard import RlGuard
 from lmforge.monitor.watchdog import StallWatchdog, StopSignals
 from lmforge.train.drills import Drills
-from lmforge.train.numerics import flops_per_token, peak_flops
+from lmforge.train.numerics import datasheet_peak, peak_flops, rank_flops_per_token
 from lmforge.train.step import TrainStep, scale_learning_rate
 
 log = logging.getLogger(__name__)
@@ -223,8 +225,8 @@ def build_train_step(
     complete checkpoint is the last good state; the same launch command resumes from it.
     `precision`: the resolved train.precision, whose matmul peak MFU is measured against.
     `oom_ladder_climbed`: the run took a rung of the OOM ladder; oom drills no longer fire."""
-    settings = cfg.monitor.guard
-    online_rl = cfg.train.stage in ("grpo", "rloo")
+    settings = stage_guard_settings(cfg.monitor.guard, cfg.train.stage)
+    online_rl = cfg.train.stage in RL_STAGES
     if update_in_backward:
         acting: dict[str, Any] = {
             key: "stop" for key in ("nonfinite", "spike") if getattr(settings, key) in ("skip", "rollback")
@@ -241,26 +243,19 @@ def build_train_step(
             )
             settings = settings.model_copy(update=acting)
     guardrails = Guardrails(settings, total_steps=cfg.train.max_steps) if cfg.monitor.enabled else None
-    if guardrails is not None and online_rl:
+    if guardrails is not None and "rl" in stage_guardrails(cfg.train.stage):
         guardrails.rl = RlGuard(settings.rl)
     if guardrails is not None and resume is not None:
         guardrails.load(resume)
-    text = model.config.get_text_config()
-    per_token = flops_per_token(
-        sum(p.numel() for p in model.parameters()),
-        text.num_hidden_layers,
-        text.hidden_size,
-        cfg.data.max_length,
-        trainable=sum(p.numel() for p in model.parameters() if p.requires_grad),
-    )
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     return TrainStep(
         guardrails,
         Drills.from_config(cfg.debug, oom_ladder_climbed=oom_ladder_climbed),
         # Online RL's micro-batches are generated completions in whole groups: not split in chunks.
         oom_backoff=cfg.monitor.enabled and settings.oom_backoff and not online_rl,
-        flops_per_token=per_token,
+        flops_per_token=rank_flops_per_token(model, cfg.data.max_length),
         peak_flops=peak_flops(device, precision) if cfg.monitor.enabled else 0.0,
+        peak_measured=datasheet_peak(device) is None,
     )
 
 
@@ -272,6 +267,8 @@ def attach_train_step(trainer: Any, step: TrainStep) -> None:
     step.rank = step.drills.rank = args.process_index
     step.world_size = args.world_size
     step.batch_replicas = trainer.get_tp_size() * trainer.get_cp_size()
+    # Each rank computes its group's batch (1 / data ranks of the tokens), a context rank 1 / cp of it.
+    step.token_share = step.batch_replicas / trainer.get_cp_size() / args.world_size
     data_ranks = args.world_size // step.batch_replicas
     step.global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_ranks
     step.max_grad_norm = args.max_grad_norm or 0.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,7 +123,7 @@ PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch
 
 
 def flops_per_token(
-    parameters: int, layers: int, hidden: int, seq_len: int, *, trainable: int | None = None
+    parameters: float, layers: float, hidden: int, seq_len: int, *, trainable: float | None = None
 ) -> float:
     """Training FLOPs per token (PaLM, appendix B), counted for the method that trains.
 
@@ -137,16 +137,99 @@ def flops_per_token(
     return 4.0 * parameters + 2.0 * trained + 12.0 * layers * hidden * seq_len
 
 
+# The tensor-parallel dimension of lmforge's device meshes (distributed/tensor_parallel.py): a weight
+# split over it is computed in parts, one per rank. A split over any other dimension (FSDP's
+# dp_shard, expert parallelism's ep) is storage only or serves other ranks' tokens: computed whole.
+TENSOR_DIM = "tp"
+
+
+@dataclass(frozen=True)
+class ActiveParameters:
+    """The weights one token runs through on this rank, in elements: `total` of them, `trainable`
+    of which also get a weight gradient; `layers` is the attention layers this rank computes
+    (a pipeline stage's own, each counted by its share of the heads under tensor parallelism)."""
+
+    total: float
+    trainable: float
+    layers: float
+
+
+def compute_share(param: torch.Tensor) -> float:
+    """The fraction of a weight's matmul this rank computes: 1 / tensor degree for a tensor-parallel
+    DTensor, 1 for anything else (FSDP gathers the whole weight before computing with it)."""
+    mesh: Any = getattr(param, "device_mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    parts = 1
+    for dim, placement in enumerate(getattr(param, "placements", ())):
+        if placement.is_shard() and dim < len(names) and names[dim] == TENSOR_DIM:
+            parts *= mesh.size(dim)
+    return 1.0 / parts
+
+
+def active_parameters(
+    model: torch.nn.Module, *, top_k: int | None = None, experts: int | None = None
+) -> ActiveParameters:
+    """This rank's `ActiveParameters`, by the usual conventions (Kaplan et al., torchtitan):
+
+    - input embedding tables are a lookup, not a matmul: left out (a table tied to the output head
+      is the head's matmul: counted once);
+    - routed experts (parameters under `.experts.`): a token visits `top_k` of `experts`, so they
+      count top_k / experts of their size; shared experts, routers and attention count whole;
+    - a pipeline stage counts the parameters it holds, a tensor-parallel rank its shard
+      (`compute_share`); DeepSpeed ZeRO-3's partitioned parameters by their whole size."""
+    getter: Any = getattr(model, "get_output_embeddings", None)
+    head = getattr(getter() if callable(getter) else None, "weight", None)
+    lookups = {
+        id(module.weight)
+        for module in model.modules()
+        if isinstance(module, torch.nn.Embedding) and module.weight is not head
+    }
+    routed = top_k / experts if top_k and experts else 1.0
+    total = trainable = 0.0
+    for name, param in model.named_parameters():
+        if id(param) in lookups:
+            continue
+        size = getattr(param, "ds_numel", None) or param.numel()
+        size *= compute_share(param) * (routed if ".experts." in f".{name}" else 1.0)
+        total += size
+        trainable += size if param.requires_grad else 0.0
+    layers = 0.0
+    for name, module in model.named_modules():
+        weights = list(module.parameters()) if name.endswith("self_attn") else []
+        layers += compute_share(weights[0]) if weights else 0.0
+    return ActiveParameters(total, trainable, layers)
+
+
+def rank_flops_per_token(model: Any, seq_len: int) -> float:
+    """Training FLOPs per token of the part of `model` this rank computes (`flops_per_token` over
+    `active_parameters`, an MoE's top-k read from its config)."""
+    from lmforge.models.moe import expert_count  # transformers: only where a model is measured
+
+    config = model.config.get_text_config()
+    experts = expert_count(model.config)
+    top_k = getattr(config, "num_experts_per_tok", None) if experts else None
+    active = active_parameters(model, top_k=top_k, experts=experts)
+    layers = active.layers or float(getattr(config, "num_hidden_layers", 0))
+    return flops_per_token(
+        active.total, layers, getattr(config, "hidden_size", 0), seq_len, trainable=active.trainable
+    )
+
+
 def peak_flops(device: torch.device, precision: str = "fp32") -> float:
     """Peak FLOP/s of one device: the datasheet value for known GPUs, else the measured matmul
     peak of this CPU in the dtype the run computes in (bf16 runs about 3x fp32 on CPUs with
     bf16 units, so an fp32 peak put a bf16 run's MFU above 1)."""
+    return datasheet_peak(device) or measured_matmul_flops(PRECISION_DTYPES.get(precision, torch.float32))
+
+
+def datasheet_peak(device: torch.device) -> float | None:
+    """The vendor's dense bf16 peak of a known GPU; None where the peak has to be measured (CPU)."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         for key, value in GPU_PEAK_FLOPS:
             if key in name:
                 return value
-    return measured_matmul_flops(PRECISION_DTYPES.get(precision, torch.float32))
+    return None
 
 
 def measured_matmul_flops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 8) -> float:
@@ -164,9 +247,27 @@ def measured_matmul_flops(dtype: torch.dtype = torch.float32, size: int = 1024, 
     return _cpu_peaks[dtype]
 
 
-def mfu(tokens_per_s: float, flops_per_tok: float, peak: float, devices: int) -> float:
-    """Model FLOPs utilisation: achieved training FLOP/s over the peak of all devices."""
-    return tokens_per_s * flops_per_tok / (peak * devices)
+@dataclass(frozen=True)
+class RankFlops:
+    """One rank's side of MFU: the training FLOPs per token of its own part of the model
+    (`rank_flops_per_token`), its device's peak FLOP/s, and whether that peak is a measurement of
+    this machine (a CPU: other work on the cores can make it low) or a datasheet value."""
+
+    flops_per_token: float
+    peak: float
+    measured: bool = False
+
+
+def mfu(tokens_per_s: float, ranks: Sequence[RankFlops], token_share: float = 1.0) -> float | None:
+    """Model FLOPs utilisation: every rank's achieved FLOP/s over its own peak, summed over ranks
+    (sum achieved / sum peaks). A rank computes `token_share` of the run's `tokens_per_s` (1 / data
+    ranks: a tensor or pipeline group shares its batch, a context group splits its sequences) with
+    its own part of the model. None when a rank beats a measured peak: that peak was measured low
+    and any figure against it would be made up."""
+    achieved = [tokens_per_s * token_share * rank.flops_per_token for rank in ranks]
+    if any(rank.measured and done > rank.peak for rank, done in zip(ranks, achieved, strict=True)):
+        return None
+    return sum(achieved) / sum(rank.peak for rank in ranks)
 
 
 def memory_metrics() -> dict[str, float]:

@@ -14,7 +14,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from lmforge.run_layout import RunPaths
-from lmforge.verbosity import DEPRECATIONS, QUIET_CONSOLE, message_category, warning_category
+from lmforge.verbosity import (
+    DEPRECATIONS,
+    ENGINE_INTERNALS,
+    QUIET_CONSOLE,
+    message_category,
+    warning_category,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +40,17 @@ class _OncePerMessage(logging.Filter):
         return self.seen[key] == 1
 
 
+class _RankZeroWarns(logging.Filter):
+    """The console of a rank other than 0: Python warnings are rank 0's to show, once (every rank
+    raises the same ones, so N processes printed each N times), and go to train.log there."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return warning_category(record) is None
+
+
+_RANK_ZERO_WARNS = _RankZeroWarns()
+
+
 @contextmanager
 def run_log(paths: RunPaths, *, is_main: bool) -> Iterator[None]:
     """While training: Python warnings go through logging; rank 0 writes train.log (appended to
@@ -43,6 +60,9 @@ def run_log(paths: RunPaths, *, is_main: bool) -> Iterator[None]:
     consoles = [handler for handler in root.handlers if QUIET_CONSOLE not in handler.filters]
     for handler in consoles:
         handler.addFilter(QUIET_CONSOLE)
+    others = [] if is_main else [h for h in root.handlers if not isinstance(h, logging.FileHandler)]
+    for handler in others:
+        handler.addFilter(_RANK_ZERO_WARNS)
     file_handler: logging.FileHandler | None = None
     once = _OncePerMessage()
     if is_main:
@@ -55,7 +75,17 @@ def run_log(paths: RunPaths, *, is_main: bool) -> Iterator[None]:
         yield
     finally:
         logging.captureWarnings(False)
-        quiet = {m: n for m, n in once.seen.items() if message_category(m) in DEPRECATIONS}
+        internal = {m: n for m, n in once.seen.items() if ENGINE_INTERNALS.search(m.split(": ", 1)[0])}
+        if internal:
+            log.info(
+                "%d torch.distributed warning(s), %d distinct, are in %s (not on the console)",
+                sum(internal.values()),
+                len(internal),
+                paths.log_file,
+            )
+        quiet = {
+            m: n for m, n in once.seen.items() if message_category(m) in DEPRECATIONS and m not in internal
+        }
         if quiet:
             log.info(
                 "%d upstream deprecation warning(s), %d distinct, are in %s (not on the console)",
@@ -65,6 +95,8 @@ def run_log(paths: RunPaths, *, is_main: bool) -> Iterator[None]:
             )
         for handler in consoles:
             handler.removeFilter(QUIET_CONSOLE)
+        for handler in others:
+            handler.removeFilter(_RANK_ZERO_WARNS)
         if file_handler is not None:
             root.removeHandler(file_handler)
             file_handler.close()

@@ -37,7 +37,7 @@ from lmforge.distributed.devices import collective_device
 from lmforge.monitor.guard import Guardrails, Verdict
 from lmforge.train.batches import mask_tokens
 from lmforge.train.drills import Drills
-from lmforge.train.numerics import REAL_TOKENS_KEY, memory_metrics, mfu, perplexity
+from lmforge.train.numerics import REAL_TOKENS_KEY, RankFlops, memory_metrics, mfu, perplexity
 
 log = logging.getLogger(__name__)
 # Parameters sampled for the update-to-parameter ratio: a copy of at most this many elements
@@ -67,8 +67,12 @@ class TrainStep:
     oom_backoff: bool = True
     global_batch: int = 0
     max_grad_norm: float = 0.0
-    flops_per_token: float = 0.0
+    flops_per_token: float = 0.0  # of this rank's part of the model (numerics.rank_flops_per_token)
     peak_flops: float = 0.0
+    peak_measured: bool = False  # a CPU's measured matmul peak, not a datasheet value
+    token_share: float = 1.0  # the share of the run's tokens this rank computes
+    peak_uncertain: bool = False  # a window beat a measured peak: no MFU from then on
+    ranks_flops: list[RankFlops] = field(default_factory=list)  # every rank's, from gather_rank_stats
     splits: int = 1  # chunks each micro-batch runs as (the OOM back-off doubles it)
     # This step, on the device until close_step:
     step_loss: torch.Tensor | None = None
@@ -266,7 +270,11 @@ class TrainStep:
             record["samples_per_s"] = window.get("window_steps", 0) * self.global_batch / window_s
             record["data_wait_share"] = min(self.data_wait_s / window_s, 1.0)
             if "tokens_per_s" in window:
-                record["mfu"] = self.utilisation(window["tokens_per_s"])
+                value = self.utilisation(window["tokens_per_s"])
+                if value is None:
+                    record["mfu_peak_uncertain"] = True
+                else:
+                    record["mfu"] = value
         self.data_wait_s = 0.0
         if self.update_ratio is not None:
             record["update_ratio"], self.update_ratio = self.update_ratio, None
@@ -276,19 +284,23 @@ class TrainStep:
         record.update(self.rank_stats)
         return record
 
-    def utilisation(self, tokens_per_s: float) -> float:
-        """MFU of the window. A measured CPU peak can come out low when other work shared the
-        cores while it was measured; a window that beats it proves the peak wrong, so the peak
-        is raised to what was achieved (said in train.log each time) and MFU never passes 1."""
-        value = mfu(tokens_per_s, self.flops_per_token, self.peak_flops, self.world_size)
-        if value > 1.0:
-            achieved = self.peak_flops * value
+    def utilisation(self, tokens_per_s: float) -> float | None:
+        """MFU of the window (numerics.mfu over every rank), or None once a window has beaten a
+        measured CPU peak: that peak was measured while other work shared the cores, so it is low,
+        and an MFU against it (this window's or a later one's) is no measurement (said in train.log)."""
+        ranks = self.ranks_flops or [RankFlops(self.flops_per_token, self.peak_flops, self.peak_measured)]
+        if sum(rank.peak for rank in ranks) <= 0:
+            return None
+        value = None if self.peak_uncertain else mfu(tokens_per_s, ranks, self.token_share)
+        if value is None and not self.peak_uncertain:
+            self.peak_uncertain = True
+            beaten = max(ranks, key=lambda rank: rank.flops_per_token / rank.peak)
             log.info(
-                "MFU: %.3g FLOP/s per device achieved beats the measured peak %.3g; the peak is raised to it",
-                achieved,
-                self.peak_flops,
+                "MFU: %.3g FLOP/s achieved beats the matmul peak %.3g measured at start (other work shared "
+                "the cores then); MFU is not reported from here on (mfu_peak_uncertain in metrics.jsonl)",
+                tokens_per_s * self.token_share * beaten.flops_per_token,
+                beaten.peak,
             )
-            self.peak_flops, value = achieved, 1.0
         return value
 
     def gather_rank_stats(self) -> None:
@@ -302,9 +314,13 @@ class TrainStep:
         if self.world_size == 1 or not dist.is_initialized():
             return {}
         device = collective_device()
-        times = [torch.zeros(1, device=device) for _ in range(self.world_size)]
-        dist.all_gather(times, torch.tensor([mine], device=device))
-        values = [float(t) for t in times]
+        # With each rank's FLOPs per token and peak, for MFU (a pipeline's stages differ).
+        mine_row = [mine, self.flops_per_token, self.peak_flops, float(self.peak_measured)]
+        rows = [torch.zeros(4, dtype=torch.float64, device=device) for _ in range(self.world_size)]
+        dist.all_gather(rows, torch.tensor(mine_row, dtype=torch.float64, device=device))
+        table = torch.stack(rows).tolist()  # one host sync
+        self.ranks_flops = [RankFlops(row[1], row[2], bool(row[3])) for row in table]
+        values = [row[0] for row in table]
         median = statistics.median(values) or 1e-9
         return {
             "loss_rank_mean": self.loss_mean,
