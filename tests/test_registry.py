@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from huggingface_hub import ModelCard
 
-from lmforge.ckpt.atomic import check_checkpoint, sha256_file
+from lmforge.ckpt.atomic import MANIFEST_NAME, MARKER_NAME, check_checkpoint, seal_directory, sha256_file
+from lmforge.ckpt.integrity import check_integrity
 from lmforge.cli.push import split_version
 from lmforge.config import load_config
 from lmforge.errors import UserInputError, WorkFailed
@@ -134,6 +135,7 @@ def test_push_local_versions_lineage_and_model_card(runs: dict[str, Path], tmp_p
     for name, entry in lineage["model"]["files"].items():
         assert sha256_file(version / name) == entry["sha256"], name
     assert "lmforge_finished.json" not in lineage["model"]["files"]
+    assert "lmforge_manifest.json" not in lineage["model"]["files"] and lineage["model"]["sealed"] is True
 
     card = ModelCard.load(version / "README.md")
     assert card.data.library_name == "transformers" and "lmforge" in card.data.tags
@@ -227,6 +229,7 @@ def test_a_secret_inside_the_model_stops_the_push(runs: dict[str, Path], tmp_pat
     tokenizer_config.write_text(
         tokenizer_config.read_text().replace("{", '{"note": "' + HF_SECRET + '", ', 1)
     )
+    _reseal(run / "final")  # as if training itself had written the secret there
     registry = tmp_path / "registry"
     with pytest.raises(WorkFailed, match="tokenizer_config.json would carry the value of a secret") as err:
         push_run(run, str(registry))
@@ -317,7 +320,14 @@ def test_targets_are_parsed_and_credentials_never_shown(
 ) -> None:
     assert parse_target("registry/") == LocalTarget(Path("registry/"))
     assert parse_target("hf://owner/tiny-model.v2") == HubTarget("owner/tiny-model.v2")
-    assert parse_target("mlflow:./mlruns") == MlflowTarget((tmp_path / "mlruns").as_uri())
+    # A plain directory is a local MLflow registry: SQLite inside it (MLflow 3's file store is
+    # deprecated and needs MLFLOW_ALLOW_FILE_STORE to be read back) ...
+    assert parse_target("mlflow:./mlruns") == MlflowTarget(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+    assert parse_target("mlflow:./mlruns").artifact_location == (tmp_path / "mlruns" / "artifacts").as_uri()
+    # ... unless it already holds a file store that an earlier push wrote.
+    (tmp_path / "old" / "0").mkdir(parents=True)
+    (tmp_path / "old" / "0" / "meta.yaml").write_text("name: Default\n")
+    assert parse_target("mlflow:./old") == MlflowTarget((tmp_path / "old").as_uri())
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     assert parse_target("mlflow:") == MlflowTarget("http://127.0.0.1:5000")
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
@@ -348,6 +358,19 @@ def test_cli_push_registry_and_hub_errors(runs: dict[str, Path], tmp_path: Path)
     assert shown.returncode == 0 and "adapter base" in shown.stdout and "eval_loss" in shown.stdout
     missing = run_cli("registry", "show", "nope", "--registry", str(registry))
     assert missing.returncode == 2 and "no model named 'nope'" in missing.stderr
+    # The positional NAME[:VERSION] is named as such, not as push's --name.
+    bad_name = run_cli("registry", "show", "tiny-lora:v1", "--registry", str(registry))
+    assert bad_name.returncode == 2 and "--name" not in bad_name.stderr, bad_name.stderr
+    assert "NAME[:VERSION] 'tiny-lora:v1'" in bad_name.stderr and "tiny-chat:2" in bad_name.stderr
+    # A registry version whose weights changed after the push: --verify names the file, exit code 1.
+    weights = registry / "tiny-lora" / "1" / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    tampered = run_cli("registry", "show", "tiny-lora:1", "--registry", str(registry), "--verify")
+    assert tampered.returncode == 1 and "Traceback" not in tampered.stderr
+    assert "hash mismatch in adapter_model.safetensors" in tampered.stdout + tampered.stderr
+    assert "tiny-lora:1" in tampered.stderr
 
     env = {"HOME": str(tmp_path / "home"), "HF_HOME": str(tmp_path / "hf"), "TMPDIR": str(tmp_path / "tmp")}
     for path in env.values():
@@ -398,3 +421,113 @@ def test_missing_registries_and_the_hub_are_usage_errors_for_list(tmp_path: Path
     assert list_models(str(tmp_path / "empty")) == []
     with pytest.raises(UserInputError, match="the Hub is browsed at"):
         list_models("hf://owner/name")
+
+
+def _reseal(final: Path) -> None:
+    """Seal final/ again after editing it, as training would have sealed it had it written the edit."""
+    (final / MARKER_NAME).unlink()
+    seal_directory(final, step=json.loads((final / "lmforge_finished.json").read_text())["step"])
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_training_seals_final_and_push_refuses_an_edited_final(runs: dict[str, Path], tmp_path: Path) -> None:
+    """Issue 33 item 14: a final/ changed after training is never pushed as the trained model."""
+    for run in ("pre", "lora"):
+        final = runs[run] / "final"
+        assert check_checkpoint(final).complete, run  # sealed: manifest of every file and marker
+        assert check_integrity(final)["checked"].startswith("hash manifest")  # `ckpt verify` uses it
+    sealed = json.loads((runs["lora"] / "final" / MANIFEST_NAME).read_text())["files"]
+    assert {"adapter/adapter_model.safetensors", "adapter/adapter_config.json"} <= set(sealed)
+    assert "lmforge_finished.json" in sealed
+
+    registry = tmp_path / "registry"
+    edits = {  # what was changed -> the file the refusal must name
+        "config.json": lambda final: (final / "config.json").write_text(
+            (final / "config.json").read_text().replace('"rms_norm_eps"', '"rms_norm_eps_"')
+        ),
+        "model.safetensors": lambda final: _flip_last_byte(final / "model.safetensors"),  # same size
+        "lmforge_finished.json": lambda final: (final / "lmforge_finished.json").write_text(
+            '{"step": 600, "parameters": 1}'
+        ),
+        "extra.safetensors": lambda final: shutil.copy(
+            final / "model.safetensors", final / "extra.safetensors"
+        ),
+        "tokenizer.json": lambda final: (final / "tokenizer.json").unlink(),
+    }
+    for index, (name, edit) in enumerate(edits.items()):
+        run = shutil.copytree(runs["pre"], tmp_path / f"edited-{index}")
+        edit(run / "final")
+        with pytest.raises(WorkFailed, match=f"final/{name}: .*nothing was pushed"):
+            push_run(run, str(registry))
+        with pytest.raises(WorkFailed, match=name):
+            push_run(run, f"mlflow:{tmp_path / 'mlflow'}")
+        assert check_integrity(run / "final")["status"] == "failed", name
+    assert not (registry / "pre").exists() or [p.name for p in (registry / "pre").iterdir()] == [".lock"]
+
+    # The CLI: exit code 1, the file named, no traceback.
+    edited = tmp_path / "edited-0"
+    refused = run_cli("push", str(edited), "--to", str(registry))
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert f"{edited / 'final' / 'config.json'}: hash mismatch" in refused.stderr
+
+    # A final/ with no seal at all (an older lmforge): refused unless --allow-unsealed, then recorded.
+    old = shutil.copytree(runs["lora"], tmp_path / "old-lora")
+    (old / "final" / MANIFEST_NAME).unlink()
+    (old / "final" / MARKER_NAME).unlink()
+    with pytest.raises(UserInputError, match="no hash manifest .*--allow-unsealed"):
+        push_run(old, str(registry))
+    result = push_run(old, str(registry), allow_unsealed=True)
+    info = show_version(str(registry), "lora", result.version, verify=True)
+    assert info.lineage["model"]["sealed"] is False and info.intact
+    from lmforge.registry import summary_rows
+
+    assert ("trained files", "UNCHECKED: final/ had no hash manifest (pushed with --allow-unsealed)") in (
+        summary_rows(info)
+    )
+
+
+def test_local_mlflow_registry_is_sqlite_and_reads_back_without_file_store_flag(
+    runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    target = f"mlflow:{tmp_path / 'mlflow'}"
+    with pytest.raises(UserInputError, match="no MLflow database at"):
+        list_models(target)  # reading creates nothing
+    assert not (tmp_path / "mlflow").exists()
+    first = push_run(runs["pre"], target)
+    assert (first.version, first.location) == ("1", "models:/pre/1")
+    database = tmp_path / "mlflow" / "mlflow.db"
+    assert database.is_file() and not (tmp_path / "mlruns").exists() and not (tmp_path / "mlflow.db").exists()
+
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{database}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)  # MLflow's own client, no flag set
+    version = client.get_model_version("pre", "1")
+    assert version.source.startswith((tmp_path / "mlflow" / "artifacts").as_uri())
+    folder = Path(client.download_artifacts(version.run_id, "model", str(tmp_path / "download")))
+    lineage = json.loads((folder / "lineage.json").read_text())
+    assert (
+        sha256_file(folder / "model.safetensors") == lineage["model"]["files"]["model.safetensors"]["sha256"]
+    )
+
+    [row] = list_models(target)
+    assert row.name == "pre" and row.versions == ["1"]
+    info = show_version(target, "pre", verify=True)
+    assert info.intact and info.integrity.startswith("ok")
+    # Weights changed in the artifact store after the push: --verify says which file, exit code 1.
+    [stored] = (tmp_path / "mlflow" / "artifacts").rglob("model/model.safetensors")
+    _flip_last_byte(stored)
+    info = show_version(target, "pre", verify=True)
+    assert not info.intact and info.integrity == "hash mismatch in model.safetensors"
+    shown = run_cli("registry", "show", "pre:1", "--registry", target, "--verify", cwd=tmp_path)
+    assert shown.returncode == 1 and "hash mismatch in model.safetensors" in shown.stderr, shown.stderr[
+        -2000:
+    ]
+    assert "Traceback" not in shown.stderr

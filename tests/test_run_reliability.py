@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from lmforge.ckpt.atomic import MARKER_NAME, remove_within
 from lmforge.config import load_config
@@ -255,9 +256,34 @@ def test_disk_full_during_a_save_then_the_same_command_resumes(
     assert not (run_dir / "checkpoints" / ".staging").exists()  # the partial save is gone
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2"]
     assert [e["kind"] for e in events_of(run_dir)][-1] == "failed"
+    # A real write refused by the filesystem: torch.save raises a RuntimeError that names no file
+    # ("unexpected pos ..."). A file-size limit stands in for the full disk (optimizer.pt > 500 kB).
+    limited = subprocess.run(
+        [sys.executable, "-m", "lmforge.cli.main", "train", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=_limit_file_size,
+    )
+    assert limited.returncode == 1, limited.stderr[-3000:]
+    assert "Traceback" not in limited.stderr and "the disk is most likely full" in limited.stderr
+    assert f"writing {run_dir / 'checkpoints' / '.staging' / 'checkpoint-4'} failed" in limited.stderr
+    assert "MiB free on" in limited.stderr
+    log = (run_dir / "train.log").read_text()
+    assert "Traceback" in log and "torch.save" in log  # the full traceback, for a bug report
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2"]
     result = run_cli("train", str(config))  # space freed
     assert result.returncode == 0, result.stderr[-3000:]
     assert steps_of(run_dir) == list(range(1, 7)) and same_weights(run_dir, reference)
+
+
+def _limit_file_size() -> None:
+    """In the child: writes past 500 kB fail with EFBIG (SIGXFSZ ignored, so the process lives)."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (500_000, 500_000))
 
 
 def test_an_output_directory_that_cannot_be_created_exits_2(tmp_path: Path, corpus: Path) -> None:
@@ -289,3 +315,63 @@ def test_self_consistent_garbage_checkpoints_are_skipped_for_the_previous_one(
     assert "step-4: missing trainer_state.json" in result.stderr
     assert "resuming from" in result.stderr and "step-2" in result.stderr
     assert same_weights(tmp_path / "runs" / "base", reference)
+
+
+# -- issue 33, item 2: non-finite weights are never resumed, nor sealed as final/ -----------------
+
+
+def nan_weights(checkpoint: Path) -> None:
+    """Every floating weight of the checkpoint NaN, the manifest made consistent again."""
+    path = checkpoint / "model.safetensors"
+    tensors = {k: v.fill_(float("nan")) if v.is_floating_point() else v for k, v in load_file(path).items()}
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    reseal(checkpoint)
+
+
+def test_nan_checkpoints_are_never_resumed_and_sigterm_after_done_exits_0(
+    tmp_path: Path, corpus: Path, reference: Path
+) -> None:
+    config = config_for(tmp_path, corpus)
+    assert run_cli("train", str(config), "debug.crash_at_step=6").returncode < 0
+    run_dir = tmp_path / "runs" / "base"
+    checkpoints = run_dir / "checkpoints"
+    good = (checkpoints / "step-4" / "model.safetensors").read_bytes()
+    for step in (2, 4, 6):
+        nan_weights(checkpoints / f"step-{step}")
+    refused = run_cli("train", str(config))  # every checkpoint NaN: refused, nothing moved or trained
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert f"no checkpoint in {checkpoints} can be resumed" in refused.stderr
+    for step in (2, 4, 6):
+        assert f"step-{step}: model.safetensors: 20 of 20 weight tensors hold NaN or inf" in refused.stderr
+    assert "run.overwrite=true" in refused.stderr and "Traceback" not in refused.stderr
+    assert not (run_dir / "previous").exists() and not (run_dir / "final").exists()
+
+    (checkpoints / "step-4" / "model.safetensors").write_bytes(good)
+    reseal(checkpoints / "step-4")
+    # Newest NaN: resumes from step-4. SIGTERM right after "done": the run is complete, exit 0.
+    run = subprocess.Popen(
+        [sys.executable, "-m", "lmforge.cli.main", "train", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert run.stdout is not None
+    for line in run.stdout:
+        if line.startswith("done"):
+            run.send_signal(signal.SIGTERM)
+            break
+    _, stderr = run.communicate(timeout=600)
+    assert run.returncode == 0, stderr[-3000:]
+    assert "not resuming from" in stderr and "step-6: model.safetensors: 20 of 20" in stderr
+    assert "resuming from" in stderr and "step-4" in stderr
+    assert steps_of(run_dir) == list(range(1, 7)) and same_weights(run_dir, reference)
+
+
+def test_a_diverged_run_exits_1_without_a_final(tmp_path: Path, corpus: Path) -> None:
+    config = config_for(tmp_path, corpus, max_steps=2, lr=1e39)  # one Adam step overflows every weight
+    result = run_cli("train", str(config), "monitor.enabled=false")  # no guardrail skips the steps
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "final/ was not written: the trained weights hold NaN or inf" in result.stderr
+    assert "Traceback" not in result.stderr
+    run_dir = tmp_path / "runs" / "base"
+    assert not (run_dir / "final").exists() and not (run_dir / "final.partial").exists()

@@ -99,6 +99,15 @@ def test_lora_sft_adapter_loads_in_peft_and_matches_the_merged_model(
     merged = AutoModelForCausalLM.from_pretrained(str(final)).eval()
     assert not torch.allclose(logits(with_adapter, ids), before, atol=1e-4)  # the adapter learned
     torch.testing.assert_close(logits(merged, ids), logits(with_adapter, ids), atol=1e-4, rtol=1e-4)
+    # final/ (merged model and adapter/) is sealed by training and unchanged since: it pushes as is.
+    from lmforge.registry import push_run
+
+    pushed = push_run(tmp_path / "runs" / "lora", str(tmp_path / "registry"))
+    lineage = json.loads((Path(pushed.location) / "lineage.json").read_text())
+    assert (
+        lineage["model"]["sealed"] is True
+        and "adapter/adapter_model.safetensors" in lineage["model"]["files"]
+    )
 
 
 def test_dora_adapter_is_peft_dora(tmp_path: Path, base_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:

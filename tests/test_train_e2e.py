@@ -307,12 +307,21 @@ def test_quickstart_runs_offline_and_says_where_everything_is(tmp_path: Path) ->
         assert "<svg" in report.read_text()
         # The engine the run used, not the config's defaults (auto, ZeRO-2): one process.
         assert "<th>strategy</th><td>single process on CPU" in report.read_text()
+    # After the whole pipeline (exports, samples, reports) each final/ is still what training sealed:
+    # the pretrained, the merged LoRA (with adapter/) and the RL model all push.
+    from lmforge.registry import push_run
+
+    for name in ("pretrain", "finetune", "rl"):
+        assert push_run(tmp_path / "qs" / name, str(tmp_path / "registry")).version == "1", name
     _console_is_quiet_and_train_log_is_whole(result, tmp_path / "qs")
     # MFU counts the method's FLOPs (LoRA: no weight gradients for frozen weights) against the
-    # peak of the precision that trains (bf16 on this CPU); it never passes 1.
+    # peak of the precision that trains (bf16 on this CPU); a window that beats that measured peak
+    # makes it uncertain (mfu_peak_uncertain, no number) rather than capped at 1.
     for name in ("pretrain", "finetune"):
-        utilisation = [r["mfu"] for r in read_metrics(tmp_path / "qs" / name / "metrics.jsonl") if "mfu" in r]
-        assert utilisation and all(0 < value <= 1 for value in utilisation), (name, max(utilisation))
+        records = read_metrics(tmp_path / "qs" / name / "metrics.jsonl")
+        utilisation = [r["mfu"] for r in records if "mfu" in r]
+        assert utilisation or any(r.get("mfu_peak_uncertain") for r in records), name
+        assert all(0 < value <= 1 for value in utilisation), (name, max(utilisation))
 
 
 def _console_is_quiet_and_train_log_is_whole(result: subprocess.CompletedProcess[str], out: Path) -> None:
@@ -326,7 +335,8 @@ def _console_is_quiet_and_train_log_is_whole(result: subprocess.CompletedProcess
     for notice in ("Setting accelerator to CPU", "tied layer is part of the adapter", "FutureWarning"):
         assert notice not in printed, notice
     assert re.search(
-        r"step +20/20  loss \d+\.\d{4}  lr [\d.]+e-\d\d  grad [\d.]+  tok/s [\d,]+  MFU [\d.]+%", printed
+        r"step +20/20  loss \d+\.\d{4}  lr [\d.]+e-\d\d  grad [\d.]+  tok/s [\d,]+  MFU ([\d.]+%|n/a \(peak uncertain\))",
+        printed,
     )
     assert re.search(r"eval at step 20:  loss [\d.]+  ppl [\d.]+", printed)
     pretrain_log = (out / "pretrain" / "train.log").read_text()

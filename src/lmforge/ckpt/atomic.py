@@ -65,6 +65,22 @@ def remove_within(path: Path, root: Path) -> None:
         shutil.rmtree(path)
 
 
+def require_writable(directory: Path, *, what: str, fix: str) -> None:
+    """Create `directory` (with its parents) and write a probe file in it, before any work: an
+    unwritable output (read-only filesystem, no permission, a file in the way) is bad input
+    (exit 2), named as `what` with `fix`, not a traceback once the work is done."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".lmforge-write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        reason = (
+            "a file, not a directory, is in the way" if isinstance(err, FileExistsError) else err.strerror
+        )
+        raise UserInputError(f"cannot write {what} {directory}: {reason or err}; {fix}") from None
+
+
 def check_out_path(out: Path, *inputs: Path) -> None:
     """Refuse an output directory that is, contains or lies inside an input: writing it
     (staging, then replacing `out`) would destroy the input."""
@@ -78,15 +94,22 @@ def check_out_path(out: Path, *inputs: Path) -> None:
             )
 
 
+def seal_directory(directory: Path, *, step: int) -> None:
+    """Seal `directory` in place: the sha256 manifest of every file, then the completion marker that
+    holds the manifest's own hash (`check_checkpoint` checks both). Checkpoints, exports, registry
+    versions and a run's final/ are sealed this way."""
+    write_hash_manifest(directory, step=step)
+    manifest_hash = sha256_file(directory / MANIFEST_NAME)
+    _write_synced(directory / MARKER_NAME, json.dumps({"step": step, "manifest_sha256": manifest_hash}))
+
+
 def commit_checkpoint(staging: Path, final: Path, *, step: int, durable: bool = True) -> Path:
     """Seal `staging` (manifest, then marker) and rename it to `final` in one atomic step.
 
     `durable` fsyncs every file before the rename, so a power cut cannot leave a renamed
     directory with unwritten data: what a resume needs. Exports skip it (they are rebuilt from
     final/ in seconds, and their hash manifest still exposes any damage to `ckpt verify`)."""
-    write_hash_manifest(staging, step=step)
-    manifest_hash = sha256_file(staging / MANIFEST_NAME)
-    _write_synced(staging / MARKER_NAME, json.dumps({"step": step, "manifest_sha256": manifest_hash}))
+    seal_directory(staging, step=step)
     for path in staging.rglob("*") if durable else ():
         if path.is_file():
             _fsync_path(path)

@@ -10,7 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
-from lmforge.ckpt.atomic import check_out_path, commit_checkpoint
+from lmforge.ckpt.atomic import check_out_path, commit_checkpoint, require_writable
 from lmforge.ckpt.conversion import Conversion
 from lmforge.errors import UserInputError
 
@@ -34,6 +34,7 @@ def convert(
     if to not in FORMATS:
         raise UserInputError(f"--to {to!r}: choose one of {', '.join(FORMATS)}")
     check_out_path(out, source)
+    require_writable(out.parent, what=f"--out {out}: its directory", fix="pass a writable directory as --out")
     # Written aside and sealed with a hash manifest, then renamed into place: `out` is either
     # absent or complete, and `ckpt verify` can tell a tampered file from the original.
     staging = out.with_name(out.name + ".partial")

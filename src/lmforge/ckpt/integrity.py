@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lmforge.ckpt.atomic import MANIFEST_NAME, check_checkpoint
+from lmforge.ckpt.atomic import MANIFEST_NAME, MARKER_NAME, check_checkpoint
 from lmforge.ckpt.runtimes import gguf_file
 from lmforge.ckpt.safetensors_stream import INDEX_NAME, SafetensorsReader
 from lmforge.errors import UserInputError
@@ -22,12 +22,25 @@ def check_integrity(path: Path) -> dict[str, Any]:
     try:
         if (base / MANIFEST_NAME).is_file():
             status = check_checkpoint(base)
-            if not status.complete:
-                return {"status": "failed", "checked": "hash manifest", "problem": status.problem}
+            added = added_since_sealing(base)
+            if not status.complete or added:
+                problem = status.problem or f"{added[0]} is not in the hash manifest (added after sealing)"
+                return {"status": "failed", "checked": "hash manifest", "problem": problem}
             return {"status": "ok", "checked": "hash manifest (every file's sha256)"}
         return {"status": "ok", "checked": f"structure only (no {MANIFEST_NAME}): " + _check_structure(path)}
     except UserInputError as err:
         return {"status": "failed", "checked": "structure", "problem": str(err)}
+
+
+def added_since_sealing(directory: Path) -> list[str]:
+    """Files under a sealed `directory` that its hash manifest does not list (relative, sorted):
+    `check_checkpoint` checks the listed files only."""
+    try:
+        listed = json.loads((directory / MANIFEST_NAME).read_text()).get("files") or {}
+    except (OSError, ValueError, AttributeError):
+        return []  # no readable manifest: check_checkpoint says so
+    present = (p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file())
+    return sorted(rel for rel in present if rel not in listed and rel not in (MANIFEST_NAME, MARKER_NAME))
 
 
 def _check_structure(path: Path) -> str:

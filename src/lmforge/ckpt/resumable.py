@@ -6,6 +6,9 @@ no files at all, pass `check_checkpoint`. Before a resume picks a checkpoint, th
 the engine that wrote it will need, cheaply and without running code from it: the trainer
 state as JSON, safetensors headers, torch files weights-only and memory-mapped (no tensor data
 read), DCP metadata through the allow-list unpickler. Any problem names the file.
+
+The model weights are also read in full and must be finite: a run that diverged can seal a
+checkpoint whose weights are NaN, and resuming it trains on garbage and ends in a NaN final/.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import pickle
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -88,21 +92,50 @@ def _check_safetensors(path: Path) -> None:
     try:
         with safe_open(str(path), framework="pt") as handle:
             handle.keys()
+        bad, total = nonfinite_tensors(path)
     except (SafetensorError, OSError) as err:
         raise _Unusable(f"{path.name} is not a readable safetensors file ({err})") from None
+    if bad:
+        raise _Unusable(_nonfinite_problem(path.name, bad, total))
 
 
-def _check_torch_file(path: Path, *, required: bool) -> None:
+def nonfinite_tensors(path: Path) -> tuple[list[str], int]:
+    """The floating-point tensors of the safetensors file `path` that hold NaN or inf (by name),
+    and how many tensors it holds. Reads every tensor, one at a time."""
+    from safetensors import safe_open
+
+    bad = []
+    with safe_open(str(path), framework="pt") as handle:
+        names = list(handle.keys())
+        for name in names:
+            if not _all_finite(handle.get_tensor(name)):
+                bad.append(name)
+    return bad, len(names)
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    return not tensor.is_floating_point() or bool(torch.isfinite(tensor).all())
+
+
+def _nonfinite_problem(name: str, bad: list[str], total: int) -> str:
+    return (
+        f"{name}: {len(bad)} of {total} weight tensors hold NaN or inf (first: {bad[0]}); the run had "
+        "diverged before this save"
+    )
+
+
+def _check_torch_file(path: Path, *, required: bool) -> Any:
+    """The file's content, loaded weights-only and memory-mapped; None when it is absent."""
     if not path.is_file():
         if required:
             raise _Unusable(f"missing {path.name}")
-        return
+        return None
     # HF Trainer's own allow-list (numpy's RNG state in rng_state*.pth), as it loads these files.
     from transformers.trainer_pt_utils import safe_globals as numpy_rng_globals
 
     with numpy_rng_globals(), torch.serialization.safe_globals(deepspeed_data_classes()):
         try:
-            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except (pickle.UnpicklingError, UnsafeCheckpoint) as err:  # the latter: under the resume guard
             raise _Unusable(
                 f"{path.relative_to(path.parents[1])} holds {refused_pickle_reason(err)}, which is not "
@@ -132,4 +165,10 @@ def _check_zero(tag: Path) -> None:
     if not any(f.name.endswith("_model_states.pt") for f in files):
         raise _Unusable(f"{tag.name} holds no *_model_states.pt")
     for path in files:
-        _check_torch_file(path, required=True)
+        content = _check_torch_file(path, required=True)
+        module = content.get("module") if isinstance(content, dict) else None
+        if path.name.endswith("_model_states.pt") and isinstance(module, dict):
+            weights = {k: v for k, v in module.items() if isinstance(v, torch.Tensor)}
+            bad = [name for name, tensor in weights.items() if not _all_finite(tensor)]
+            if bad:
+                raise _Unusable(_nonfinite_problem(f"{tag.name}/{path.name}", bad, len(weights)))

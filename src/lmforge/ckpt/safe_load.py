@@ -22,6 +22,7 @@ import pickle
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,11 +48,24 @@ def refused_pickle_reason(err: BaseException) -> str:
     return useful[0] if useful else type(err).__name__
 
 
+# A training checkpoint's directory (sealed `step-N`, or HF's `checkpoint-N` while it is written).
+_CHECKPOINT_DIR = re.compile(r"^(step|checkpoint)-\d+$")
+
+
 def refusal_message(path: Any, err: BaseException) -> str:
+    """Why the file at `path` was not loaded, and the way on: another checkpoint for a file of a
+    run's checkpoint, trusted safetensors weights for any other file (a `model.path`, a base model)."""
+    if any(_CHECKPOINT_DIR.match(part) for part in Path(os.fspath(path)).parts[:-1]):
+        way_on = "delete this checkpoint and resume from an earlier one"
+    else:
+        way_on = (
+            "do not use these weights; get the model as safetensors (model.safetensors) from a source you "
+            "trust, and keep model.allow_bin_weights off"
+        )
     return (
         f"{path}: refused to load: it holds {refused_pickle_reason(err)}, which is not tensor data "
-        "(a checkpoint file may hold only tensors and plain values). It was not unpickled; the file "
-        "may have been tampered with: delete this checkpoint and resume from an earlier one"
+        "(a weights file may hold only tensors and plain values). It was not unpickled; the file "
+        f"may have been tampered with: {way_on}"
     )
 
 

@@ -12,18 +12,19 @@ from rich.table import Table
 from lmforge.cli.console import console
 
 REGISTRY_HELP = (
-    "A local registry directory, or mlflow:URI (mlflow:file:///abs/mlruns, mlflow:http://host:5000; "
-    "mlflow: alone reads MLFLOW_TRACKING_URI)."
+    "A local registry directory, mlflow:DIR (a local MLflow registry: DIR/mlflow.db, SQLite) or mlflow:URI "
+    "(mlflow:http://host:5000, mlflow:sqlite:////abs/mlflow.db; mlflow: alone reads MLFLOW_TRACKING_URI)."
 )
 
 
 def push(
-    run_dir: Path = typer.Argument(..., help="A finished run directory (runs/<name>).", show_default=False),
+    run_dir: Path = typer.Argument(..., help="A finished run directory (runs/\\<name>).", show_default=False),
     to: str = typer.Option(
         ...,
         "--to",
-        help="Where to register the model: a directory (versioned DIR/<name>/<version>/), mlflow:URI, or "
-        "hf://owner/name (needs a network and HF_TOKEN in the environment).",
+        help="Where to register the model: a directory (versioned DIR/\\<name>/\\<version>/), mlflow:DIR (a "
+        "local MLflow registry, SQLite in DIR/mlflow.db), mlflow:URI, or hf://owner/name (needs a network "
+        "and HF_TOKEN in the environment).",
         show_default=False,
     ),
     name: str | None = typer.Option(
@@ -35,17 +36,26 @@ def push(
     public: bool = typer.Option(
         False, "--public", help="hf:// only: create a new Hub repository public (default: private)."
     ),
+    allow_unsealed: bool = typer.Option(
+        False,
+        "--allow-unsealed",
+        help="Push a final/ that has no hash manifest (written by an older lmforge): its files are not "
+        "checked against what training wrote, and lineage.json records model.sealed: false.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
 ) -> None:
     """Register a finished run's model with a model card (README.md) and its lineage (lineage.json):
     lmforge version and git commit, the resolved config (secrets redacted), data and tokenizer
     fingerprints, base model, training summary, evals, export verdicts and every file's sha256.
 
+    final/ must be exactly what training sealed (its hash manifest): a file changed, added or removed
+    since stops the push with exit code 1, naming the file.
+
     Example: `lmforge push runs/sft --to registry/ --name tiny-chat`
     """
     from lmforge.registry import push_run
 
-    result = push_run(run_dir, to, name=name, private=not public)
+    result = push_run(run_dir, to, name=name, private=not public, allow_unsealed=allow_unsealed)
     if as_json:
         print(json.dumps(result.to_json(), indent=2))
         return
@@ -68,7 +78,7 @@ def registry_list(
 ) -> None:
     """List the registered models: name, versions, the latest version's date and best eval metric.
 
-    Example: `lmforge registry list --registry mlflow:file:///srv/mlruns --json`
+    Example: `lmforge registry list --registry mlflow:/srv/mlflow --json`
     """
     from lmforge.registry import list_models
 
@@ -89,7 +99,9 @@ def registry_show(
     ),
     registry: str = typer.Option("registry", "--registry", help=REGISTRY_HELP),
     verify: bool = typer.Option(
-        False, "--verify", help="Local registries: re-hash every file of the version."
+        False,
+        "--verify",
+        help="Re-hash every file of the version (MLflow: downloads it first); exit code 1 on any mismatch.",
     ),
     as_json: bool = typer.Option(
         False, "--json", help="Print one JSON document on stdout (the whole lineage)."
@@ -98,19 +110,27 @@ def registry_show(
     """Show one model version and its lineage: run, code, base model, data and tokenizer
     fingerprints, training summary, evals, export verdicts and files.
 
-    Example: `lmforge registry show tiny-chat:2 --registry registry/`
+    Exit code 1 when the version's files are not what was pushed (a hash mismatch, a missing file).
+
+    Example: `lmforge registry show tiny-chat:2 --registry registry/ --verify`
     """
+    from lmforge.errors import WorkFailed
     from lmforge.registry import show_version, summary_rows
 
     name, version = split_version(model)
     info = show_version(registry, name, version, verify=verify)
     if as_json:
         print(json.dumps(info.to_json(), indent=2, default=str))
-        return
-    rows = summary_rows(info)
-    width = max(len(label) for label, _ in rows)
-    for label, text in rows:
-        console.print(f"{label:{width}}  {text}", markup=False)
+    else:
+        rows = summary_rows(info)
+        width = max(len(label) for label, _ in rows)
+        for label, text in rows:
+            console.print(f"{label:{width}}  {text}", markup=False)
+    if not info.intact:
+        raise WorkFailed(
+            f"{info.name}:{info.version} in {info.registry}: {info.integrity}: the stored files are not "
+            "the ones pushed; do not use this version (push the run again for a new, intact version)"
+        )
 
 
 def split_version(text: str) -> tuple[str, str | None]:

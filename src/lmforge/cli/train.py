@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import typer
@@ -36,7 +39,7 @@ def train(
     check_machine_requirements(cfg)
     from rich.markup import escape
 
-    from lmforge.distributed.ranks import leave_process_group
+    from lmforge.distributed.ranks import current_world, leave_process_group
     from lmforge.report import report_after_run
     from lmforge.sweep.pruning import callbacks_from_env
     from lmforge.train.oom_ladder import DRIVER_ENV, OOM_LADDER_EXIT, OomRestart
@@ -50,6 +53,7 @@ def train(
         if DRIVER_ENV not in os.environ:  # nobody restarts this process: say how to go on
             console.print(f"[bold yellow]stopped[/] {escape(str(stop))}", highlight=False)
         sys.exit(OOM_LADDER_EXIT)  # SystemExit: not recorded as a worker's error for the launcher
+    _exit_zero_on_stop_signals()  # the run's work is done: a late SIGTERM must not turn it into 143
     if outcome.interrupted_by is not None:
         console.print(
             f"[bold yellow]stopped[/] by {outcome.interrupted_by} at step {outcome.steps} with a checkpoint; "
@@ -57,6 +61,8 @@ def train(
         )
         return
     leave_process_group()  # every rank ran to the end: leave together
+    if not current_world().is_main:  # the summary is the run's, said once
+        return
     if outcome.already_finished:
         console.print(
             f"[bold green]already finished[/] at step {outcome.steps}"
@@ -67,13 +73,37 @@ def train(
     else:
         console.print(f"[bold green]done[/] {outcome.steps} steps; model in {outcome.final_dir}")
     if outcome.last_eval_ppl is not None:
-        console.print(f"eval perplexity: {outcome.first_eval_ppl:.2f} -> {outcome.last_eval_ppl:.2f}")
+        console.print(f"eval perplexity: {_change(outcome.first_eval_ppl, outcome.last_eval_ppl, '.2f')}")
     elif outcome.last_eval_loss is not None:  # preference stages: their loss is no perplexity
         console.print(
-            f"eval loss ({cfg.train.stage}): {outcome.first_eval_loss:.4f} -> {outcome.last_eval_loss:.4f}"
+            f"eval loss ({cfg.train.stage}): {_change(outcome.first_eval_loss, outcome.last_eval_loss, '.4f')}"
         )
     if outcome.export is not None:
         print_export(outcome.export)
+
+
+def _change(before: float | None, after: float, fmt: str) -> str:
+    """`before -> after`; the end value alone when nothing was measured before training (no
+    train.eval_every: the eval data runs once, at the end)."""
+    if before is None:
+        return f"{after:{fmt}} (at the end; set train.eval_every to also measure the start)"
+    return f"{before:{fmt}} -> {after:{fmt}}"
+
+
+def _exit_zero_on_stop_signals() -> None:
+    """From here on, SIGTERM / SIGINT end the process with exit code 0 at once: the run is complete
+    (final/ sealed, or a checkpoint written for a signal stop) and only printing and interpreter
+    shut-down (seconds, with torch loaded) are left. The default handlers would report 143 / 130."""
+
+    def exit_complete(signum: int, frame: FrameType | None) -> None:
+        sys.stdout.flush()
+        sys.stderr.write(f"{signal.Signals(signum).name} after the run completed: exit code 0\n")
+        sys.stderr.flush()
+        os._exit(0)
+
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, exit_complete)
 
 
 def prepare(

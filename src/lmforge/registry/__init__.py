@@ -1,13 +1,15 @@
 """The model registry: a finished run's model pushed with its model card and lineage.
 
     push_run(run_dir, "registry/")                        -> registry/<name>/<version>/
-    push_run(run_dir, "mlflow:file:///abs/mlruns")         -> an MLflow run + registered model version
+    push_run(run_dir, "mlflow:/abs/mlflow")               -> an MLflow run + registered model version
+                                                             (SQLite: /abs/mlflow/mlflow.db)
     push_run(run_dir, "hf://owner/name")                   -> a Hub commit (HF_TOKEN from the environment)
     list_models("registry/") / show_version("registry/", "name", "2")
 
 Every push carries README.md (a Hugging Face model card) and lineage.json (`lineage.py`): code,
 resolved config with secrets redacted, data and tokenizer fingerprints, base model, training
-summary, evals, export verdicts and the sha256 of every model file.
+summary, evals, export verdicts and the sha256 of every model file, checked against the hash
+manifest training sealed final/ with (`seal.py`): a final/ edited after training is never pushed.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ def list_models(registry: str) -> list[ModelRow]:
 def show_version(
     registry: str, name: str, version: str | None = None, *, verify: bool = False
 ) -> VersionInfo:
-    """One version (the latest when `version` is None) with its lineage record."""
+    """One version (the latest when `version` is None) with its lineage record; `verify` re-hashes
+    its files (`VersionInfo.intact` is False, and `integrity` says why, when one differs)."""
     target = _readable(registry)
     if isinstance(target, LocalTarget):
         return show_local(target.root, name, version, verify=verify)
-    return show_mlflow(target, name, version)
+    return show_mlflow(target, name, version, verify=verify)
 
 
 def _readable(registry: str) -> LocalTarget | MlflowTarget:

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 import lmforge
-from lmforge.ckpt.atomic import MANIFEST_NAME, sha256_file
+from lmforge.ckpt.atomic import MANIFEST_NAME, MARKER_NAME, sha256_file
 from lmforge.config.redact import redact
 from lmforge.errors import UserInputError
 from lmforge.evaluate.loading import adapter_base, is_full_model
@@ -32,8 +32,8 @@ from lmforge.run_layout import FINISHED_NAME, RunPaths, read_finished, read_json
 LINEAGE_NAME = "lineage.json"
 LINEAGE_SCHEMA = "lmforge.lineage/1"
 # final/ entries that are records of the run, not parts of the model (PEFT's README.md is a blank
-# template card that the registry's own model card replaces).
-_NOT_MODEL = {FINISHED_NAME, "README.md", "training_args.bin"}
+# template card that the registry's own model card replaces; final/'s seal is checked, not pushed).
+_NOT_MODEL = {FINISHED_NAME, "README.md", "training_args.bin", MANIFEST_NAME, MARKER_NAME}
 # Builds a lineage record once the pushed copies are hashed: (hashes, push record) -> lineage.
 LineageFor = Callable[[dict[str, dict[str, Any]], dict[str, Any]], dict[str, Any]]
 
@@ -88,10 +88,11 @@ def build_lineage(
     *,
     name: str,
     push: dict[str, Any] | None = None,
+    sealed: bool = True,
 ) -> dict[str, Any]:
     """The lineage record of `run`, whose model files (`model`, hashed as `hashes`) are pushed as
-    `name` (`push`: where to, without URIs); secrets (by key name and by value) are redacted from
-    every string in it."""
+    `name` (`push`: where to, without URIs); `sealed`: the hashes were checked against final/'s
+    hash manifest. Secrets (by key name and by value) are redacted from every string in it."""
     manifest = run.manifest
     config = _config_data(run)
     finished = read_finished(RunPaths(run.root)) or {}
@@ -116,6 +117,7 @@ def build_lineage(
             "library": model.library,
             "adapter": model.is_adapter,
             "parameters": finished.get("parameters"),
+            "sealed": sealed,
             "files": hashes,
         },
         "training": _training(run, finished),

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.ckpt.atomic import MARKER_NAME, check_checkpoint, commit_checkpoint, holding_lock, remove_within
+from lmforge.ckpt.integrity import added_since_sealing
 from lmforge.errors import UserInputError
 from lmforge.registry.bundle import finish_bundle, stage_model
 from lmforge.registry.lineage import LINEAGE_NAME, LineageFor, ModelFiles, hash_files, read_lineage
@@ -25,12 +26,17 @@ LOCK_NAME = ".lock"
 STAGING_PREFIX = ".staging-"
 
 
-def check_name(name: str) -> str:
-    """A registry name is one directory level: no separators, no '..', nothing hidden."""
+def check_name(name: str, *, given_as: str = "--name") -> str:
+    """A registry name is one directory level: no separators, no '..', nothing hidden. `given_as`:
+    how the user passed it (`--name` to push, the positional NAME[:VERSION] to show)."""
     if not name or name.startswith(".") or any(sep in name for sep in ("/", "\\", "\0", ":")):
-        raise UserInputError(
-            f"--name {name!r}: a registry name is a plain name (no '/', '\\', ':' or leading '.'); "
+        fix = (
             "for example --name tiny-chat"
+            if given_as == "--name"
+            else "pass NAME or NAME:VERSION (VERSION a number or 'latest'), for example tiny-chat:2"
+        )
+        raise UserInputError(
+            f"{given_as} {name!r}: a registry name is a plain name (no '/', '\\', ':' or leading '.'); {fix}"
         )
     return name
 
@@ -103,7 +109,7 @@ def list_local(root: Path) -> list[ModelRow]:
 def show_local(root: Path, name: str, version: str | None, *, verify: bool) -> VersionInfo:
     """One version (the latest when `version` is None) with its lineage; `verify` re-hashes every file."""
     _check_registry(root)
-    model_dir = root / check_name(name)
+    model_dir = root / check_name(name, given_as="NAME[:VERSION]")
     versions = sealed_versions(model_dir) if model_dir.is_dir() else []
     if not versions:
         raise UserInputError(
@@ -114,9 +120,13 @@ def show_local(root: Path, name: str, version: str | None, *, verify: bool) -> V
         raise UserInputError(f"{name}:{chosen}: no such version in {root}; versions: {', '.join(versions)}")
     directory = model_dir / chosen
     status = check_checkpoint(directory, verify_hashes=verify)
-    integrity = ("ok (every file re-hashed)" if verify else "sealed") if status.complete else status.problem
+    added = added_since_sealing(directory) if verify else []
+    problem = status.problem or (f"{added[0]} was added after the push" if added else "")
+    integrity = problem or ("ok (every file re-hashed)" if verify else "sealed")
     lineage = read_lineage(directory / LINEAGE_NAME)
-    return VersionInfo(str(root), name, chosen, str(directory), lineage.get("created"), integrity, lineage)
+    return VersionInfo(
+        str(root), name, chosen, str(directory), lineage.get("created"), integrity, lineage, not problem
+    )
 
 
 def _check_registry(root: Path) -> None:

@@ -2,9 +2,11 @@
 model card and lineage.json), params (the redacted config) and metrics (the evals), and a new
 version of the registered model whose source is that run's `model/` artifact folder.
 
-Works with a tracking server (mlflow:http://host:5000) and with MLflow's file store
-(mlflow:file:///abs/mlruns), which needs no server (MLflow 3 keeps it behind
-MLFLOW_ALLOW_FILE_STORE, set here for file: URIs only). MLflow's telemetry stays off unless the
+Works with a tracking server (mlflow:http://host:5000), a SQLite database (mlflow:DIR is
+DIR/mlflow.db with the artifacts in DIR/artifacts/; MLflow's client and UI read it back with no
+setting) and MLflow's file store (mlflow:file:///abs/mlruns; MLflow 3 keeps it behind
+MLFLOW_ALLOW_FILE_STORE, set here for file: URIs only, and anyone reading it with MLflow's own
+tools must set it too). MLflow's telemetry stays off unless the
 environment says otherwise. A tracking URI may hold credentials: it is never written into a pushed
 file, and every error message shows it without them.
 """
@@ -22,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from lmforge.ckpt.atomic import sha256_file
 from lmforge.config.dotted import flatten
 from lmforge.config.redact import secret_env_values
 from lmforge.errors import UserInputError, WorkFailed
@@ -54,18 +57,25 @@ def push_mlflow(
 ) -> PushResult:
     """Log `model` in a new MLflow run and register it as the next version of `name`. A push that
     fails before its version is registered deletes its run: no half-logged model is left behind."""
+    if target.database is not None:  # SQLite creates the file, not the directory it lies in
+        try:
+            target.database.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UserInputError(
+                f"--to {target.display}: cannot create {target.database.parent}: {err.strerror or err}"
+            ) from None
     with tempfile.TemporaryDirectory(prefix="lmforge-push-") as tmp, mlflow_client(target) as client:
         folder = Path(tmp) / ARTIFACT_DIR
         folder.mkdir()
         stage_model(model, folder, link=True)
         refuse_secrets(folder, secret_env_values() | set(extra_secrets))  # before any run exists
         hashes = hash_files({n: folder / n for n in model.files})
+        lineage = lineage_for(hashes, {"registry": "mlflow"})  # checks final/'s seal: before any run exists
         run = client.create_run(
-            _experiment_id(client), run_name=f"push {name}", tags={"lmforge.registry_name": name}
+            _experiment_id(client, target), run_name=f"push {name}", tags={"lmforge.registry_name": name}
         )
         run_id = run.info.run_id
         try:
-            lineage = lineage_for(hashes, {"registry": "mlflow"})
             load_from = f"runs:/{run_id}/{ARTIFACT_DIR}"
             finish_bundle(folder, lineage, load_from=load_from, extra_secrets=extra_secrets)
             client.log_artifacts(run_id, str(folder), ARTIFACT_DIR)
@@ -96,6 +106,7 @@ def push_mlflow(
 def list_mlflow(target: MlflowTarget) -> list[ModelRow]:
     """Every registered model, with its versions and the latest one's metric (from its tags)."""
     rows = []
+    _check_database(target)
     with mlflow_client(target) as client:
         for registered in _registered_models(client):
             versions = client.search_model_versions(f"name='{_quoted(registered.name)}'")
@@ -113,8 +124,10 @@ def list_mlflow(target: MlflowTarget) -> list[ModelRow]:
     return sorted(rows, key=lambda r: r.name)
 
 
-def show_mlflow(target: MlflowTarget, name: str, version: str | None) -> VersionInfo:
-    """One version (the latest when `version` is None) and the lineage.json logged with it."""
+def show_mlflow(target: MlflowTarget, name: str, version: str | None, *, verify: bool = False) -> VersionInfo:
+    """One version (the latest when `version` is None) and the lineage.json logged with it; `verify`
+    downloads the model and re-hashes every file against the sha256 its lineage.json records."""
+    _check_database(target)
     with mlflow_client(target) as client:
         versions = sorted(
             client.search_model_versions(f"name='{_quoted(name)}'"), key=lambda v: int(v.version)
@@ -128,18 +141,37 @@ def show_mlflow(target: MlflowTarget, name: str, version: str | None) -> Version
         found = chosen[0]
         if not found.run_id:
             raise UserInputError(f"{name}:{found.version} was not pushed by lmforge (no run behind it)")
+        integrity, problem = str(found.status), ""
         with tempfile.TemporaryDirectory(prefix="lmforge-show-") as tmp:
-            path = client.download_artifacts(found.run_id, f"{ARTIFACT_DIR}/{LINEAGE_NAME}", tmp)
-            lineage = read_lineage(Path(path))
+            if verify:
+                folder = Path(client.download_artifacts(found.run_id, ARTIFACT_DIR, tmp))
+                lineage = read_lineage(folder / LINEAGE_NAME)
+                problem = _mismatch(folder, lineage)
+                integrity = problem or "ok (every file re-hashed against lineage.json)"
+            else:
+                path = client.download_artifacts(found.run_id, f"{ARTIFACT_DIR}/{LINEAGE_NAME}", tmp)
+                lineage = read_lineage(Path(path))
     return VersionInfo(
         registry=target.display,
         name=name,
         version=str(found.version),
         location=f"models:/{name}/{found.version}",
         created=_iso(found.creation_timestamp),
-        integrity=str(found.status),
+        integrity=integrity,
         lineage=lineage,
+        intact=not problem,
     )
+
+
+def _mismatch(folder: Path, lineage: dict[str, Any]) -> str:
+    """What differs between the downloaded model files and the sha256 lineage.json records ("": nothing)."""
+    for name, entry in sorted(((lineage.get("model") or {}).get("files") or {}).items()):
+        path = folder / name
+        if not path.is_file():
+            return f"missing file {name}"
+        if sha256_file(path) != entry.get("sha256"):
+            return f"hash mismatch in {name}"
+    return ""
 
 
 def version_tags(lineage: dict[str, Any]) -> dict[str, str]:
@@ -203,9 +235,20 @@ def _registered_models(client: Any) -> Iterator[Any]:
             return
 
 
-def _experiment_id(client: Any) -> str:
+def _check_database(target: MlflowTarget) -> None:
+    """Reading a SQLite registry that is not there would create an empty database: refuse instead."""
+    if target.database is not None and not target.database.is_file():
+        raise UserInputError(
+            f"--registry {target.display}: no MLflow database at {target.database}; pass the target "
+            "`lmforge push --to` wrote (mlflow:DIR reads DIR/mlflow.db)"
+        )
+
+
+def _experiment_id(client: Any, target: MlflowTarget) -> str:
     experiment = client.get_experiment_by_name(EXPERIMENT)
-    return str(experiment.experiment_id) if experiment else str(client.create_experiment(EXPERIMENT))
+    if experiment:
+        return str(experiment.experiment_id)
+    return str(client.create_experiment(EXPERIMENT, artifact_location=target.artifact_location))
 
 
 def _ensure_registered_model(client: Any, name: str) -> None:

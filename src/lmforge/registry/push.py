@@ -11,25 +11,37 @@ from lmforge.registry.lineage import build_lineage, model_files
 from lmforge.registry.local import push_local
 from lmforge.registry.mlflow_registry import push_mlflow
 from lmforge.registry.records import PushResult
+from lmforge.registry.seal import check_final_seal, check_staged
 from lmforge.registry.targets import HubTarget, LocalTarget, MlflowTarget, Target, parse_target
 from lmforge.report.load import load_run
+from lmforge.run_layout import RunPaths
 
 
-def push_run(run_dir: Path, to: str | Target, *, name: str | None = None, private: bool = True) -> PushResult:
+def push_run(
+    run_dir: Path,
+    to: str | Target,
+    *,
+    name: str | None = None,
+    private: bool = True,
+    allow_unsealed: bool = False,
+) -> PushResult:
     """Push the model of the finished run in `run_dir` to `to` (a directory, mlflow:URI or
     hf://owner/name) as `name` (default: the run's name; on the Hub, the repository's).
 
     UserInputError (before anything is written) for an unknown target, a run without a complete
-    final/, a missing Hub token or MLflow; WorkFailed when the registry cannot be reached or a
-    staged file would carry a secret."""
+    final/, a final/ without a hash manifest (unless `allow_unsealed`), a missing Hub token or
+    MLflow; WorkFailed (nothing pushed) when final/ differs from what training sealed, the registry
+    cannot be reached or a staged file would carry a secret."""
     target = parse_target(to) if isinstance(to, str) else to
     model = model_files(run_dir)  # refuses an unfinished run before the registry is touched
+    seal = check_final_seal(RunPaths(run_dir).final, model, allow_unsealed=allow_unsealed)
     run = load_run(run_dir, verify_hashes=False)
     registry_name = name or (target.repo_id if isinstance(target, HubTarget) else run.name)
     secrets = _uri_secrets(target)
 
     def lineage_for(hashes: dict[str, dict[str, Any]], push: dict[str, Any]) -> dict[str, Any]:
-        return build_lineage(run, model, hashes, name=registry_name, push=push)
+        check_staged(seal, model, hashes)  # every target calls this before its version exists
+        return build_lineage(run, model, hashes, name=registry_name, push=push, sealed=seal.sealed)
 
     if isinstance(target, LocalTarget):
         _refuse_inside_run(target.root / registry_name, run_dir)

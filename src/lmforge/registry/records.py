@@ -47,6 +47,7 @@ class VersionInfo:
     created: str | None
     integrity: str  # "ok", or what is wrong with the stored files
     lineage: dict[str, Any] = field(default_factory=dict)
+    intact: bool = True  # False: the stored files are not what was pushed (`integrity` says why)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,9 +98,18 @@ def summary_rows(info: VersionInfo) -> list[tuple[str, str]]:
     for fmt, entry in (lineage.get("exports") or {}).items():
         verdict = "not verified" if not entry.get("verified") else "PASS" if entry.get("passed") else "FAIL"
         rows.append((f"export {fmt}", verdict))
+    sealed = (lineage.get("model") or {}).get("sealed")
+    if sealed is not None:  # lineage records from before final/ was sealed do not say
+        rows.append(("trained files", _SEALED[bool(sealed)]))
     total = sum(int(entry.get("bytes", 0)) for entry in files.values())
     rows.append(("files", f"{len(files)} model files, {total / 2**20:.1f} MiB (sha256 in lineage.json)"))
     return rows
+
+
+_SEALED = {
+    True: "checked against the run's sealed final/ (the hashes training wrote)",
+    False: "UNCHECKED: final/ had no hash manifest (pushed with --allow-unsealed)",
+}
 
 
 def _training_text(training: dict[str, Any]) -> str:

@@ -1,9 +1,13 @@
 """Where a model is pushed or listed from: `--to` / `--registry` text into a typed target.
 
     DIR                        a local registry directory (DIR/<name>/<version>/)
-    mlflow:URI                 an MLflow tracking server or file store (mlflow:file:///abs/mlruns,
-                               mlflow:http://host:5000, mlflow:./mlruns; mlflow: alone reads
-                               MLFLOW_TRACKING_URI)
+    mlflow:URI                 an MLflow tracking server or store (mlflow:http://host:5000,
+                               mlflow:sqlite:////abs/mlflow.db, mlflow:file:///abs/mlruns; mlflow:
+                               alone reads MLFLOW_TRACKING_URI)
+    mlflow:DIR                 a local MLflow registry in DIR: a SQLite database DIR/mlflow.db with
+                               the artifacts in DIR/artifacts/ (MLflow's own client and UI read it
+                               with no setting; MLflow 3's file store needs MLFLOW_ALLOW_FILE_STORE).
+                               A DIR that already holds an MLflow file store stays one.
     hf://owner/name            a Hugging Face Hub model repository (push only)
 
 A URI may carry credentials (https://user:password@host): `display` is what lmforge ever prints
@@ -21,10 +25,16 @@ from urllib.parse import urlsplit, urlunsplit
 from lmforge.errors import UserInputError
 
 MLFLOW_PREFIX = "mlflow:"
+SQLITE_PREFIX = "sqlite:///"
+MLFLOW_DB_NAME = "mlflow.db"  # a local MLflow registry directory's database
+ARTIFACTS_DIR = "artifacts"
 HUB_PREFIX = "hf://"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9][\w.-]{0,95}$")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(//)?")
-_FORMS = "a directory, mlflow:URI (mlflow:file:///abs/mlruns, mlflow:http://host:5000) or hf://owner/name"
+_FORMS = (
+    "a directory, mlflow:DIR, mlflow:URI (mlflow:http://host:5000, mlflow:sqlite:////abs/mlflow.db) "
+    "or hf://owner/name"
+)
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,20 @@ class MlflowTarget:
     @property
     def is_file_store(self) -> bool:
         return self.uri.startswith("file:")
+
+    @property
+    def database(self) -> Path | None:
+        """The SQLite database file of a sqlite: URI (None for any other store, or in-memory)."""
+        if not self.uri.startswith(SQLITE_PREFIX) or len(self.uri) == len(SQLITE_PREFIX):
+            return None
+        return Path(self.uri[len(SQLITE_PREFIX) :].split("?", 1)[0])
+
+    @property
+    def artifact_location(self) -> str | None:
+        """Where pushes store model files: beside a SQLite database (MLflow's default would be
+        ./mlruns under the working directory); elsewhere the store's own default."""
+        database = self.database
+        return (database.resolve().parent / ARTIFACTS_DIR).as_uri() if database is not None else None
 
 
 @dataclass(frozen=True)
@@ -107,9 +131,18 @@ def _mlflow_uri(rest: str, option: str) -> str:
         if not rest:
             raise UserInputError(
                 f"{option} mlflow: names no tracking URI and MLFLOW_TRACKING_URI is not set; pass "
-                "mlflow:file:///abs/path/mlruns or mlflow:http://host:5000"
+                "mlflow:DIR (a local registry), mlflow:sqlite:////abs/mlflow.db or mlflow:http://host:5000"
             )
     if rest.startswith("databricks") or (_SCHEME.match(rest) and not re.match(r"^[A-Za-z]:[\\/]", rest)):
         return rest
-    # A plain path: MLflow's file store in that directory.
-    return Path(rest).expanduser().resolve().as_uri()
+    directory = Path(rest).expanduser().resolve()
+    if _holds_file_store(directory):  # pushed there before the SQLite default: keep reading it
+        return directory.as_uri()
+    return SQLITE_PREFIX + (directory / MLFLOW_DB_NAME).as_posix()
+
+
+def _holds_file_store(directory: Path) -> bool:
+    """An MLflow file store: experiments as <id>/meta.yaml, registered models under models/."""
+    if not directory.is_dir() or (directory / MLFLOW_DB_NAME).exists():
+        return False
+    return (directory / "models").is_dir() or any(directory.glob("*/meta.yaml"))

@@ -1,20 +1,26 @@
 """final/: the trained model in HF format, written once, atomically, with the record that the run
-finished (`lmforge_finished.json`, so final/ exists exactly when the run is done)."""
+finished (`lmforge_finished.json`, so final/ exists exactly when the run is done), sealed like a
+checkpoint (a sha256 manifest of every file and a completion marker) so that `lmforge push` and
+`lmforge ckpt verify` can tell the model training wrote from one edited afterwards."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 from peft import PeftModel
 from transformers import PreTrainedTokenizerBase, Trainer
 
-from lmforge.ckpt.atomic import remove_within
+from lmforge.ckpt.atomic import remove_within, seal_directory
+from lmforge.ckpt.resumable import nonfinite_tensors
 from lmforge.data.chat import stop_token_ids
 from lmforge.data.chat_templates import builtin_template_name
 from lmforge.distributed.ranks import wait_for_everyone
+from lmforge.errors import WorkFailed
 from lmforge.run_layout import FINISHED_NAME, RunPaths
 
 
@@ -48,6 +54,38 @@ def stop_at_template_turn_end(model: Any, tokenizer: PreTrainedTokenizerBase) ->
     config.eos_token_id = stops[0] if len(stops) == 1 else stops
 
 
+def refuse_nonfinite_weights(staging: Path, paths: RunPaths) -> None:
+    """final/ is never sealed with NaN or inf weights: a run that diverged fails (exit code 1)."""
+    for path in sorted(staging.rglob("*.safetensors")):
+        bad, total = nonfinite_tensors(path)
+        if bad:
+            raise WorkFailed(
+                f"final/ was not written: the trained weights hold NaN or inf ({len(bad)} of {total} tensors "
+                f"in {path.relative_to(staging)}, first {bad[0]}); training diverged (`lmforge doctor "
+                f"{paths.root}` shows where). Resume from a checkpoint before it with train.resume=PATH and "
+                "a lower train.lr, or set monitor.guard.nonfinite=rollback"
+            )
+
+
+def refuse_nonfinite_final_eval(records: list[dict[str, Any]], paths: RunPaths) -> None:
+    """final/ is never written when the last evaluation was NaN or inf: finite weights can still
+    give non-finite outputs (an overflow in a 16-bit forward), and such a model is no result."""
+    last = next((record for record in reversed(records) if "eval_loss" in record), None)
+    if last is None:
+        return
+    try:
+        loss = float(last["eval_loss"])
+    except (TypeError, ValueError):
+        return
+    if not math.isfinite(loss):
+        raise WorkFailed(
+            f"final/ was not written: the evaluation at step {last.get('step')} gave eval_loss {loss} (the "
+            f"trained model's outputs are not finite; `lmforge doctor {paths.root}` shows where the run went "
+            "wrong). Resume from an earlier checkpoint with train.resume=PATH, or train in fp32 / bf16 "
+            "instead of fp16"
+        )
+
+
 def save_final(
     trainer: Trainer,
     tokenizer: PreTrainedTokenizerBase,
@@ -61,6 +99,7 @@ def save_final(
 
     An adapter run writes the PEFT adapter to final/adapter/ (PeftModel.from_pretrained loads
     it onto its base) and, with export.merge_lora, the merged full model into final/ itself.
+    Every file, final/adapter/ included, is in final/'s hash manifest (`ckpt/atomic.py`).
     """
     staging = paths.final_partial
     if trainer.is_world_process_zero():
@@ -81,9 +120,11 @@ def save_final(
         untie_if_diverged(merged)
         merged.save_pretrained(str(staging))
     tokenizer.save_pretrained(str(staging))
+    refuse_nonfinite_weights(staging, paths)
     for args_pickle in staging.rglob("training_args.bin"):
         args_pickle.unlink()  # a pickle nobody needs in an export
     (staging / FINISHED_NAME).write_text(json.dumps(finished, indent=2), encoding="utf-8")
+    seal_directory(staging, step=int(finished["step"]))  # last: nothing is written into final/ after it
     # Only an explicitly extended run replaces a final/: the old one goes aside, then one rename.
     old = paths.root / "final.old"
     if paths.final.exists():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase, set_seed
 
@@ -77,6 +78,14 @@ def set_up_run(cfg: LmforgeConfig, plan: Plan, paths: RunPaths) -> RunSetup:
                 dropped = MetricsLog(paths.metrics).truncate_after(resume.step)
                 log.info("resuming from %s (%d metric records after it dropped)", resume.path, dropped)
     return RunSetup(start, tokenizer, data, changes)
+
+
+def write_in_progress(paths: RunPaths) -> Path | None:
+    """The partial directory of the checkpoint or final/ being written when a failure struck, if any."""
+    partial = list(paths.staging.glob("checkpoint-*")) if paths.staging.is_dir() else []
+    if partial:
+        return max(partial, key=lambda p: p.stat().st_mtime)
+    return paths.final_partial if paths.final_partial.exists() else None
 
 
 def clear_partial_writes(paths: RunPaths) -> None:

@@ -58,9 +58,16 @@ def decide_start(train: TrainConfig, paths: RunPaths, *, overwrite: bool, act: b
             "or set run.overwrite=true to replace it"
         )
     if finished is not None:
-        return _finished_or_extended(train, finished, latest, paths)
+        return _finished_or_extended(train, finished, latest, paths, rejected)
     if latest is not None:
         return RunStart(resume=latest)
+    if rejected:  # checkpoints exist, none can be resumed: starting over silently would discard them
+        raise UserInputError(
+            f"no checkpoint in {paths.checkpoints} can be resumed: "
+            + "; ".join(f"{bad.path.name}: {bad.problem}" for bad in rejected)
+            + ". Set train.resume to the path of a checkpoint you trust, or run.overwrite=true to delete "
+            "them and start the run over"
+        )
     if holds_training_run(paths):  # records of an attempt that died before its first checkpoint
         aside = start_fresh(paths, keep_aside=True) if act else None
         if aside is not None:
@@ -95,7 +102,11 @@ def _explicit_checkpoint(setting: str) -> CheckpointStatus:
 
 
 def _finished_or_extended(
-    train: TrainConfig, finished: dict[str, Any], latest: CheckpointStatus | None, paths: RunPaths
+    train: TrainConfig,
+    finished: dict[str, Any],
+    latest: CheckpointStatus | None,
+    paths: RunPaths,
+    rejected: list[CheckpointStatus],
 ) -> RunStart:
     """A finished run asked again: the same length is done; a longer one continues it, explicitly."""
     done, target = finished["step"], finished.get("target", {})
@@ -114,11 +125,30 @@ def _finished_or_extended(
             "run.overwrite=true to replace this one"
         )
     if latest is None or latest.step < done:
-        raise UserInputError(
-            f"run {paths.root} finished at step {done} but keeps no checkpoint of that step to continue from "
-            "(set train.save_every); choose another run.name, or run.overwrite=true to start over"
-        )
+        raise UserInputError(_no_checkpoint_to_extend(done, latest, paths, rejected))
     return RunStart(resume=latest, extends=done)
+
+
+def _no_checkpoint_to_extend(
+    done: int, latest: CheckpointStatus | None, paths: RunPaths, rejected: list[CheckpointStatus]
+) -> str:
+    """Why a finished run cannot continue from step `done`, and the ways on that exist."""
+    refused = [bad for bad in rejected if bad.step >= done]
+    if refused:
+        why = (
+            "its checkpoint of that step cannot be resumed ("
+            + "; ".join(f"{bad.path.name}: {bad.problem}" for bad in refused)
+            + ")"
+        )
+    else:
+        why = "it keeps no checkpoint of that step (set train.save_every)"
+    ways = "choose another run.name, or run.overwrite=true to start over"
+    if latest is not None:
+        ways = (
+            f"set train.resume={latest.path} to continue from the newest usable checkpoint (steps "
+            f"{latest.step + 1}-{done} are trained again), " + ways
+        )
+    return f"run {paths.root} finished at step {done}, but {why}; {ways}"
 
 
 def _describe(target: dict[str, Any]) -> str:

@@ -16,10 +16,9 @@ import psutil
 import torch
 import yaml
 
-from lmforge.ckpt.atomic import remove_within
+from lmforge.ckpt.atomic import remove_within, require_writable
 from lmforge.config import LmforgeConfig, dump_config, redact
 from lmforge.config.redact import redact_argv
-from lmforge.errors import UserInputError
 from lmforge.run_layout import RunPaths
 
 TRACKED_PACKAGES = (
@@ -39,16 +38,7 @@ TRACKED_PACKAGES = (
 
 def make_run_dir(paths: RunPaths) -> None:
     """Create the run directory, or say why it cannot be (a read-only or missing parent)."""
-    try:
-        paths.root.mkdir(parents=True, exist_ok=True)
-        probe = paths.root / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise UserInputError(
-            f"cannot write the run directory {paths.root}: {err.strerror or err}; set run.output_dir to a "
-            "writable directory"
-        ) from None
+    require_writable(paths.root, what="the run directory", fix="set run.output_dir to a writable directory")
 
 
 def start_fresh(paths: RunPaths, *, keep_aside: bool) -> Path | None:

@@ -26,6 +26,7 @@ from lmforge.config.schema import RL_STAGES, MonitorConfig
 from lmforge.distributed.context_parallel import prepare_context_parallel
 from lmforge.distributed.expert_parallel import shard_experts
 from lmforge.distributed.pipeline_parallel import split_into_stages, whole_parameter_count
+from lmforge.distributed.ranks import share_node_cores
 from lmforge.distributed.strategy import Plan, plan_for
 from lmforge.distributed.tensor_parallel import shard_tensor_parallel
 from lmforge.errors import TrainingStopped, WorkFailed, explain_write_failure
@@ -41,7 +42,7 @@ from lmforge.train.callbacks import (
     MetricsCallback,
     NothingLeftToTrain,
 )
-from lmforge.train.final import save_final
+from lmforge.train.final import refuse_nonfinite_final_eval, save_final
 from lmforge.train.guard_callback import GuardCallback, attach_train_step, build_train_step
 from lmforge.train.memory_savers import describe_memory_savers
 from lmforge.train.oom_ladder import OomRestart, TrainingEngine, climb, forget_rungs, read_rungs
@@ -53,12 +54,12 @@ from lmforge.train.rl_stage import reference_model_path
 from lmforge.train.rollback import train_with_rollbacks
 from lmforge.train.run_lock import RunLock
 from lmforge.train.run_log import run_log
-from lmforge.train.run_setup import RunSetup, clear_partial_writes, set_up_run
+from lmforge.train.run_setup import RunSetup, clear_partial_writes, set_up_run, write_in_progress
 from lmforge.train.rundir import make_run_dir
 from lmforge.train.stages import needs_reference_model
 from lmforge.train.step import OutOfMemoryGivenUp
 from lmforge.upstream import quiet_progress_bars, route_deepspeed_logs
-from lmforge.verbosity import is_verbose
+from lmforge.verbosity import FILE_ONLY, is_verbose
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def run_training(
     the CLI writes report.html there (training never imports the report).
     """
     check_runs_here(cfg)  # what this machine lacks for the run, before any work
+    share_node_cores()  # OMP_NUM_THREADS from this node's cores where no launcher set it
     on_gpu = torch.cuda.is_available()
     plan = plan_for(cfg, precision=resolve_precision(cfg.train.precision, use_cuda=on_gpu), on_gpu=on_gpu)
     log.info("distributed: %s", plan.describe())
@@ -213,10 +215,13 @@ def _train_run(
     try:
         export = _train_and_export(cfg, trainer, guard, tokenizer, metrics, paths, resume)
     except BaseException as err:
+        writing = write_in_progress(paths) if rank0 else None  # named in the message: gone just below
         if rank0:
             clear_partial_writes(paths)
         ladder = _oom_ladder_stop(err, cfg, plan, paths, events, rungs_before)
-        failure = ladder or explain_write_failure(err)
+        failure = ladder or explain_write_failure(err, writing)
+        if failure is not None:  # the console gets the message; train.log also the traceback
+            log.error("%s failed", type(err).__name__, exc_info=err, extra={FILE_ONLY: True})
         if rank0:
             if ladder is None:  # the ladder recorded its own event
                 kind = "stopped" if isinstance(err, TrainingStopped) else "failed"
@@ -310,6 +315,7 @@ def _train_and_export(
         return None
     finished = {"step": step, "target": {"max_steps": cfg.train.max_steps, "epochs": cfg.train.epochs}}
     finished["parameters"] = whole_parameter_count(trainer.accelerator.unwrap_model(trainer.model))
+    refuse_nonfinite_final_eval(trainer.state.log_history, paths)  # every rank holds it: all decide alike
     save_final(trainer, tokenizer, paths, merge_lora=cfg.export.merge_lora, finished=finished)
     if trainer.is_world_process_zero():
         clear_partial_writes(paths)  # a finished run keeps no empty checkpoints/.staging
