@@ -87,7 +87,9 @@ def killed_and_resumed(tmp_path: Path, train: dict, **sections: dict) -> tuple[P
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     resumed = run_cli("train", str(config))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # "not resuming from step-3: ..." (a refused checkpoint) would match the words alone.
     assert "resuming from" in resumed.stderr and "step-3" in resumed.stderr
+    assert "not resuming" not in resumed.stderr, resumed.stderr[-3000:]
     return tmp_path / "reference" / "runs" / "run", tmp_path / "killed" / "runs" / "run", resumed.stderr
 
 

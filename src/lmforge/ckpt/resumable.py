@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lmforge.ckpt.safe_load import UnsafeCheckpoint, deepspeed_data_classes, refused_pickle_reason
+from lmforge.ckpt.safe_load import UnsafeCheckpoint, checkpoint_data_classes, refused_pickle_reason
 from lmforge.errors import UserInputError
 
 TRAINER_STATE = "trainer_state.json"
@@ -133,7 +133,7 @@ def _check_torch_file(path: Path, *, required: bool) -> Any:
     # HF Trainer's own allow-list (numpy's RNG state in rng_state*.pth), as it loads these files.
     from transformers.trainer_pt_utils import safe_globals as numpy_rng_globals
 
-    with numpy_rng_globals(), torch.serialization.safe_globals(deepspeed_data_classes()):
+    with numpy_rng_globals(), torch.serialization.safe_globals(checkpoint_data_classes()):
         try:
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except (pickle.UnpicklingError, UnsafeCheckpoint) as err:  # the latter: under the resume guard

@@ -69,23 +69,34 @@ def refusal_message(path: Any, err: BaseException) -> str:
     )
 
 
-def deepspeed_data_classes() -> list[Any]:
-    """The classes DeepSpeed pickles into its model and optimizer states, all plain data holders."""
+def checkpoint_data_classes() -> list[Any]:
+    """The classes engines and optimizers pickle into checkpoint states, all plain data holders
+    (attributes only, no `__reduce__` / `__setstate__`): DeepSpeed's model and optimizer states,
+    and GaLore's projector (rank, gap, scale, its orthogonal matrix) in `optimizer.pt`."""
+    classes: list[Any] = []
     try:
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
         from deepspeed.runtime.zero.config import ZeroStageEnum
         from deepspeed.utils.tensor_fragment import fragment_address
+
+        classes += [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
     except ImportError:
-        return []
-    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+        pass
+    try:
+        from galore_torch.galore_projector import GaLoreProjector
+
+        classes.append(GaLoreProjector)
+    except ImportError:
+        pass
+    return classes
 
 
 def weights_only_load(original: Any) -> Any:
-    """`torch.load` that always unpickles weights-only (DeepSpeed's data classes allowed)."""
+    """`torch.load` that always unpickles weights-only (the engines' data classes allowed)."""
 
     def load(f: Any, map_location: Any = None, pickle_module: Any = None, **kwargs: Any) -> Any:
         kwargs["weights_only"] = True  # whatever the caller asked for
-        with torch.serialization.safe_globals(deepspeed_data_classes()):
+        with torch.serialization.safe_globals(checkpoint_data_classes()):
             try:
                 return original(f, map_location=map_location, **kwargs)
             except pickle.UnpicklingError as err:
