@@ -63,7 +63,7 @@ def run_deepspeed(ckpt: str, out: str, queue) -> None:  # type: ignore[no-untype
 
 def run_lmforge(ckpt: str, out: str, queue) -> None:  # type: ignore[no-untyped-def]
     started = time.perf_counter()
-    from lmforge.ckpt.consolidate import consolidate
+    from lmforge.export.consolidate import consolidate
 
     consolidate(Path(ckpt), Path(out))
     queue.put({"seconds": time.perf_counter() - started, "peak_rss_mib": _peak_rss_mib()})

@@ -178,7 +178,7 @@ def _spm_tokenizer(model_dir: Path, vocab: int):  # type: ignore[no-untyped-def]
 
 # The converter alone, without the CLI's staging directory and sha256 manifest.
 CORE = (
-    "import sys; from pathlib import Path; from lmforge.ckpt.to_gguf import convert_to_gguf; "
+    "import sys; from pathlib import Path; from lmforge.export.to_gguf import convert_to_gguf; "
     "convert_to_gguf(Path(sys.argv[1]), Path(sys.argv[2]), dtype=sys.argv[3])"
 )
 

@@ -94,7 +94,10 @@ def config(out: Path, name: str, opts: argparse.Namespace, train_extra: dict[str
     )
 
 
-def run_bare(cfg: Any, tokenizer: Any, data: Any, out: Path, opts: argparse.Namespace) -> StepClock:
+def run_bare(
+    cfg: Any, tokenizer: Any, data: Any, out: Path, opts: argparse.Namespace, liger: bool = False
+) -> StepClock:
+    """The HF Trainer as a careful user configures it (`liger`: its own `use_liger_kernel=True`)."""
     set_seed(cfg.run.seed)
     model = build_model(cfg.model, tokenizer, max_length=cfg.data.max_length)
     clock = StepClock()
@@ -108,6 +111,7 @@ def run_bare(cfg: Any, tokenizer: Any, data: Any, out: Path, opts: argparse.Name
         save_strategy="no",
         report_to=[],
         bf16=True,
+        use_liger_kernel=liger,
         seed=cfg.run.seed,
         disable_tqdm=True,
     )
@@ -145,7 +149,7 @@ def measure(
     started = time.perf_counter()
     if name.startswith("bare"):
         tokenizer, data = prepared
-        clock = run_bare(cfg, tokenizer, data, out, opts)
+        clock = run_bare(cfg, tokenizer, data, out, opts, liger=name == "bare_liger")
     else:
         run_training(cfg, extra_callbacks=[clock])
     steps_per_s = clock.steps_per_s(opts.warmup)

@@ -18,7 +18,7 @@ ignoring case (lmforge's default reward).
 - **TRL**: `GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(dir), reward_funcs=[exact],
   args=GRPOConfig(...), train_dataset=Dataset of {prompt: [user message], answer},
   processing_class=AutoTokenizer.from_pretrained(dir))`, with every GRPOConfig value lmforge
-  sets (train/rl_stage.py, train/arguments.py) set the same. The run prints every resolved
+  sets (train/stages/online_rl.py, train/arguments.py) set the same. The run prints every resolved
   argument that still differs between the two (read from the trainers' own `args`).
 
 All runs are in this one process, after one short untimed warm-up run of each side

@@ -30,7 +30,7 @@ def run_peft(base: str, adapter: str, out: str, queue) -> None:  # type: ignore[
 
 
 def run_lmforge(base: str, adapter: str, out: str, queue) -> None:  # type: ignore[no-untyped-def]
-    from lmforge.ckpt.merge import merge_lora
+    from lmforge.export.merge import merge_lora
 
     started = time.perf_counter()
     merge_lora(Path(base), Path(adapter), Path(out))

@@ -36,9 +36,8 @@ def run_side(side: str, compare: str, steps: int, warmup: int, queue: Any) -> No
     from lmforge.config.schema import TrainConfig
     from lmforge.run_layout import RunPaths
     from lmforge.train.arguments import build_training_arguments
-    from lmforge.train.guard_callback import attach_train_step
+    from lmforge.train.hf_trainer import HFTrainerAdapter
     from lmforge.train.step import TrainStep
-    from lmforge.train.trainer import LmforgeTrainer
 
     torch.set_num_threads(torch.get_num_threads())
     model = random_llama(512, 4, vocab=8192)
@@ -63,11 +62,15 @@ def run_side(side: str, compare: str, steps: int, warmup: int, queue: Any) -> No
             settings, RunPaths(Path(tmp)), seed=0, has_eval=False, precision="fp32"
         )
         args.save_strategy, args.logging_steps = "no", steps
-        trainer = LmforgeTrainer(
-            model=model, args=args, train_dataset=data, data_collator=default_data_collator, callbacks=[clock]
+        trainer = HFTrainerAdapter(
+            model=model,
+            args=args,
+            train_dataset=data,
+            data_collator=default_data_collator,
+            callbacks=[clock],
+            train_step=TrainStep(),  # lmforge's step, no guardrails
+            train_settings=settings,
         )
-        trainer.train_settings = settings
-        attach_train_step(trainer, TrainStep())  # lmforge's step, no guardrails
         result = trainer.train()
     state = trainer.optimizer.state
     state_bytes = sum(

@@ -29,8 +29,8 @@ from lmforge.data.ragged import PackedDataset, SampleDataset
 from lmforge.data.sft import prepare_sft_data
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.models.build import build_model
+from lmforge.train.hf_trainer import HFTrainerAdapter
 from lmforge.train.numerics import CountingCollator
-from lmforge.train.trainer import LmforgeTrainer
 
 
 class TokenClock(TrainerCallback):
@@ -120,7 +120,7 @@ def main() -> None:
                 else:
                     collator = CountingCollator(PackedCollator(pad_token_id=tokenizer.pad_token_id))
                     args = arguments(out / side, opts.packed_rows, opts.steps, count_non_padding=False)
-                    trainer = LmforgeTrainer(
+                    trainer = HFTrainerAdapter(
                         model=model,
                         args=args,
                         train_dataset=packed,

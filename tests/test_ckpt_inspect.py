@@ -10,10 +10,10 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from lmforge.ckpt.atomic import commit_checkpoint
-from lmforge.ckpt.inspect import inspect_checkpoint
 from lmforge.config.schema import ModelConfig, TokenizerTrainConfig
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.errors import UserInputError
+from lmforge.export.inspect import inspect_checkpoint
 from lmforge.models.build import build_model, count_parameters
 from tests.conftest import SMALL_ARCH, run_cli
 

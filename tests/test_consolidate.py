@@ -22,12 +22,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from lmforge.ckpt.consolidate import consolidate
-from lmforge.ckpt.inspect import inspect_checkpoint
 from lmforge.ckpt.zero_checkpoint import load_rank_file
 from lmforge.config.schema import ModelConfig, TokenizerTrainConfig
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.errors import UserInputError
+from lmforge.export.consolidate import consolidate
+from lmforge.export.inspect import inspect_checkpoint
 from lmforge.models.build import build_model
 from tests.conftest import ROOT, SMALL_ARCH, run_cli
 

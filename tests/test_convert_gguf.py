@@ -24,13 +24,13 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaTokenizer
 
-from lmforge.ckpt.convert import convert
-from lmforge.ckpt.gguf_encoding import rope_permute
-from lmforge.ckpt.gguf_runtime import TransformersGgufModel, greedy_decode
 from lmforge.config.schema import ModelConfig, TokenizerTrainConfig
 from lmforge.data.chat_templates import LLAMA3_TEMPLATE
 from lmforge.data.tokenizer import CHATML_TEMPLATE, train_tokenizer
 from lmforge.errors import UserInputError
+from lmforge.export.convert import convert
+from lmforge.export.gguf_encoding import rope_permute
+from lmforge.export.gguf_runtime import TransformersGgufModel, greedy_decode
 from lmforge.models.build import build_model
 from tests.conftest import SMALL_ARCH, run_cli
 
@@ -315,7 +315,7 @@ def test_llama3_rope_scaling_becomes_rope_freqs(bpe_tokenizer, tmp_path: Path) -
 def test_llama_cpp_runtime_missing_says_how_to_install(
     models_dir: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from lmforge.ckpt.gguf_runtime import LlamaCppModel
+    from lmforge.export.gguf_runtime import LlamaCppModel
 
     convert(models_dir["llama"], "gguf", tmp_path, dtype="q8_0")
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as when it is not installed
@@ -330,7 +330,7 @@ def test_q8_0_quantization_is_bit_exact_with_gguf_py() -> None:
     import gguf
     import numpy as np
 
-    from lmforge.ckpt.gguf_encoding import quantize_q8_0
+    from lmforge.export.gguf_encoding import quantize_q8_0
 
     torch.manual_seed(0)
     rows = torch.randn(300, 96) * torch.logspace(-3, 2, 300).unsqueeze(1)
@@ -346,8 +346,8 @@ def test_modelfile_keeps_qwen2s_default_system_prompt() -> None:
     """Qwen2's template adds "You are a helpful assistant." to a chat without a system message,
     so every training sample carried it: the Modelfile's SYSTEM gives it to Ollama too. Plain
     ChatML has no default, and gets no SYSTEM line."""
-    from lmforge.ckpt.gguf_modelfile import render_modelfile
     from lmforge.data.chat_templates import BUILTIN_TEMPLATES
+    from lmforge.export.gguf_modelfile import render_modelfile
 
     tokenizer = make_spm_tokenizer()
     assert "SYSTEM" not in render_modelfile("m.gguf", tokenizer)  # ChatML
@@ -364,7 +364,7 @@ def test_sharded_sentencepiece_llama_streams_in_blocks(
     its whole-tensor encoding, for every --dtype."""
     from safetensors.torch import load_file
 
-    from lmforge.ckpt import gguf_encoding
+    from lmforge.export import gguf_encoding
 
     source = models_dir["llama-spm"]
     shards = sorted(source.glob("*.safetensors"))
@@ -402,7 +402,7 @@ def test_sharded_sentencepiece_llama_streams_in_blocks(
 @pytest.mark.parametrize("name", ["llama", "qwen2", "llama-spm"])
 def test_tokenizer_loads_as_auto_tokenizer_does(models_dir: dict[str, Path], name: str) -> None:
     """load_tokenizer skips building the model's config class (memory) yet picks the same class."""
-    from lmforge.ckpt.gguf_tokenizer import load_tokenizer
+    from lmforge.export.gguf_tokenizer import load_tokenizer
 
     config = json.loads((models_dir[name] / "config.json").read_text())
     ours = load_tokenizer(models_dir[name], config)

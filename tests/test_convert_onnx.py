@@ -20,11 +20,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lmforge.ckpt.convert import convert
-from lmforge.ckpt.to_onnx import OnnxCausalLM, check_parity, convert_to_onnx
 from lmforge.config.schema import ModelConfig, TokenizerTrainConfig
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.errors import CheckpointError, UserInputError
+from lmforge.export.convert import convert
+from lmforge.export.to_onnx import OnnxCausalLM, check_parity, convert_to_onnx
 from lmforge.models.build import build_model
 from tests.conftest import SMALL_ARCH, run_cli
 

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from lmforge.ckpt.convert import convert
 from lmforge.config.schema import ModelConfig, TokenizerTrainConfig
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.errors import UserInputError
+from lmforge.export.convert import convert
 from lmforge.models.build import build_model
 from tests.conftest import SMALL_ARCH, run_cli
 

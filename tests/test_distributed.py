@@ -29,7 +29,7 @@ import yaml
 from safetensors.torch import load_file
 
 from lmforge.ckpt.atomic import check_checkpoint
-from lmforge.ckpt.consolidate import consolidate
+from lmforge.export.consolidate import consolidate
 from tests.conftest import SMALL_ARCH, run_cli
 
 TOLERANCE = 1e-4

@@ -10,9 +10,9 @@ import yaml
 from safetensors.torch import load_file
 
 from lmforge.ckpt.atomic import check_checkpoint
-from lmforge.ckpt.inspect import inspect_checkpoint
 from lmforge.config.schema import TokenizerTrainConfig
 from lmforge.data.tokenizer import train_tokenizer
+from lmforge.export.inspect import inspect_checkpoint
 from tests.conftest import ROOT, run_cli, save_tiny_llama
 
 pytestmark = pytest.mark.slow

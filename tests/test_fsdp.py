@@ -1,4 +1,4 @@
-"""FSDP2 through the HF Trainer on CPU (gloo), via lmforge.distributed.fsdp.CpuFsdp.
+"""FSDP2 through the HF Trainer on CPU (gloo), via lmforge.distributed.fsdp.DataShard.
 
 Runs tests/dist_scripts/fsdp_trainer.py on 2 ranks three times: a 6-step run that saves sharded
 (torch DCP) checkpoints at steps 3 and 6 plus a final full HF model, a run resumed from

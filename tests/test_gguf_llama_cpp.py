@@ -23,8 +23,8 @@ import torch
 from tokenizers import pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lmforge.ckpt.convert import convert
-from lmforge.ckpt.gguf_runtime import LlamaCppModel, greedy_decode
+from lmforge.export.convert import convert
+from lmforge.export.gguf_runtime import LlamaCppModel, greedy_decode
 from tests.test_convert_gguf import CHAT, SAMPLES, TEXTS, make_spm_tokenizer, save_model
 
 pytestmark = pytest.mark.integration

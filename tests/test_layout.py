@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from lmforge.cli.main import app
 from lmforge.config.schema import DistributedConfig
-from lmforge.distributed.layout import plan_layout
+from lmforge.distributed.parallel import plan_layout
 from lmforge.errors import UserInputError
 
 

@@ -11,10 +11,10 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from lmforge.ckpt.merge import merge_lora
 from lmforge.config.schema import ModelConfig, TokenizerTrainConfig
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.errors import UserInputError
+from lmforge.export.merge import merge_lora
 from lmforge.models.build import build_model
 from tests.conftest import SMALL_ARCH, run_cli
 

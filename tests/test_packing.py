@@ -150,7 +150,7 @@ def test_the_eval_step_keeps_flex_packed_rows_apart(tokenizer, tmp_path) -> None
     would leak into each other (the forward keeps a cache, and transformers then looks for no samples)."""
     from transformers import TrainingArguments
 
-    from lmforge.train.trainer import LmforgeTrainer
+    from lmforge.train.hf_trainer import HFTrainerAdapter as LmforgeTrainer
 
     samples = random_samples(len(tokenizer), [n for row in LENGTHS for n in row])
     losses = {}

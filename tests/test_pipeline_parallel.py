@@ -248,7 +248,7 @@ def test_a_batch_runs_on_the_configured_schedule_or_the_log_names_the_other() ->
 
 
 def test_a_flat_optimizer_checkpoint_is_told_apart(runs: dict[str, Any]) -> None:
-    from lmforge.distributed.reshard import DCP_OPTIMIZER_DIR, dcp_optimizer_is_flat
+    from lmforge.ckpt.reshard_states import DCP_OPTIMIZER_DIR, dcp_optimizer_is_flat
 
     assert dcp_optimizer_is_flat(runs["out"] / "pp" / "checkpoints" / "step-2" / DCP_OPTIMIZER_DIR)
     torch.manual_seed(0)  # the accelerate format (FSDP2 alone) keys group settings by position

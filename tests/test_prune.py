@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from lmforge.ckpt.prune import prune_checkpoint
-from lmforge.ckpt.prune_cuts import parse_layers
 from lmforge.config.schema import ModelConfig, TokenizerTrainConfig
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.errors import UserInputError
+from lmforge.export.prune import prune_checkpoint
+from lmforge.export.prune_cuts import parse_layers
 from lmforge.models.build import build_model
 from tests.conftest import SMALL_ARCH, run_cli
 

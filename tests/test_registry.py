@@ -15,10 +15,10 @@ import pytest
 from huggingface_hub import ModelCard
 
 from lmforge.ckpt.atomic import MANIFEST_NAME, MARKER_NAME, check_checkpoint, seal_directory, sha256_file
-from lmforge.ckpt.integrity import check_integrity
 from lmforge.cli.push import split_version
 from lmforge.config import load_config
 from lmforge.errors import UserInputError, WorkFailed
+from lmforge.export.integrity import check_integrity
 from lmforge.registry import list_models, push_run, show_version
 from lmforge.registry.targets import HubTarget, LocalTarget, MlflowTarget, parse_target, safe_uri
 from lmforge.train.runner import run_training

@@ -28,12 +28,9 @@ from typing import Any
 
 import pytest
 
-from lmforge.distributed.reshard import (
-    _universal_arguments,
-    resume_path,
-    rng_stand_in,
-    universal_dir,
-)
+from lmforge.ckpt.reshard_states import rng_stand_in
+from lmforge.ckpt.universal import _universal_arguments, universal_dir
+from lmforge.distributed.reshard import resume_path
 from lmforge.errors import UserInputError
 from tests.test_distributed import base_config, held_shares, torchrun, write
 

@@ -18,7 +18,7 @@ from lmforge.config.schema import ALERT_KINDS, GuardConfig, RlGuardConfig
 from lmforge.monitor.events import EventLog, read_events
 from lmforge.monitor.guard import STATE_FILE, Guardrails, Verdict
 from lmforge.monitor.rl_guard import KINDS, RlGuard
-from lmforge.train.guard_callback import GuardCallback, build_train_step
+from lmforge.train.guard_callback import GuardCallback
 from lmforge.train.step import TrainStep
 from tests.conftest import SMALL_ARCH
 
@@ -287,7 +287,7 @@ def rl_config(stage: str, **guard: Any) -> Any:
         base={
             "run": {"name": "rl"},
             "model": {"preset": "llama-tiny", "config": SMALL_ARCH},
-            "tokenizer": {"path": "tokenizer"},  # never read: build_train_step needs no tokenizer
+            "tokenizer": {"path": "tokenizer"},  # never read: TrainStep.from_config needs no tokenizer
             "data": {"train": [{"path": "prompts.jsonl"}], "max_length": 64},
             "train": {"stage": stage, "micro_batch_size": 4},
             "monitor": {"loggers": [], "guard": {"rl": guard}},
@@ -296,13 +296,13 @@ def rl_config(stage: str, **guard: Any) -> Any:
 
 
 def test_rl_stages_get_an_rl_guard_and_others_do_not() -> None:
-    grpo = build_train_step(rl_config("grpo", entropy_floor=0.1), tiny_model(), None)
+    grpo = TrainStep.from_config(rl_config("grpo", entropy_floor=0.1), tiny_model(), None)
     assert grpo.guardrails is not None and isinstance(grpo.guardrails.rl, RlGuard)
     assert grpo.guardrails.rl.cfg.entropy_floor == 0.1
-    sft = build_train_step(rl_config("sft"), tiny_model(), None)
+    sft = TrainStep.from_config(rl_config("sft"), tiny_model(), None)
     assert sft.guardrails is not None and sft.guardrails.rl is None
     # DeepSpeed cannot roll back in the process: an RL rollback acts as a stop there.
-    deepspeed = build_train_step(
+    deepspeed = TrainStep.from_config(
         rl_config("rloo", action="rollback"), tiny_model(), None, update_in_backward=True
     )
     assert deepspeed.guardrails is not None and isinstance(deepspeed.guardrails.rl, RlGuard)

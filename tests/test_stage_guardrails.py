@@ -11,7 +11,7 @@ import yaml
 
 from lmforge.config import load_config
 from lmforge.config.schema import GuardConfig, TrainConfig
-from lmforge.config.stage_guardrails import STAGE_GUARDRAILS
+from lmforge.config.stages import STAGE_GUARDRAILS
 from lmforge.errors import UserInputError
 from lmforge.monitor.guard import Guardrails, stage_guard_settings
 from tests.conftest import run_cli

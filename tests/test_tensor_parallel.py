@@ -35,12 +35,12 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from lmforge.ckpt.consolidate import consolidate
 from lmforge.config.cross_checks import cross_section_problems
 from lmforge.config.schema import LmforgeConfig
 from lmforge.distributed.ranks import World
 from lmforge.distributed.strategy import engine_arguments, plan_for
 from lmforge.errors import UserInputError
+from lmforge.export.consolidate import consolidate
 from tests.conftest import ROOT, run_cli
 
 SCRIPT = ROOT / "tests" / "dist_scripts" / "tp_trainer.py"

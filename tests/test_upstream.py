@@ -9,11 +9,7 @@ import pytest
 from transformers import Trainer
 
 from lmforge import upstream
-from lmforge.distributed.context_parallel import ContextParallel
-from lmforge.distributed.fsdp import CpuFsdp
-from lmforge.distributed.pipeline_parallel import PipelineStages
-from lmforge.distributed.reshard import ReshardResume
-from lmforge.train.trainer import StepHooks
+from lmforge.train.hf_trainer import HFTrainerAdapter
 
 
 @pytest.mark.parametrize("entry", upstream.REGISTRY, ids=lambda e: e.target.split(":")[-1])
@@ -23,7 +19,7 @@ def test_each_coupling_still_holds_upstream(entry: upstream.Coupling) -> None:
 
 def test_every_trainer_method_lmforge_overrides_is_registered() -> None:
     registered = {e.target.rsplit(".", 1)[-1] for e in upstream.REGISTRY if e.kind == "override"}
-    for mixin in (StepHooks, CpuFsdp, ReshardResume, PipelineStages, ContextParallel):
+    for mixin in (HFTrainerAdapter,):
         overridden = {
             name
             for name, value in vars(mixin).items()

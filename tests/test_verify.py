@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lmforge.ckpt.atomic import commit_checkpoint
-from lmforge.ckpt.verify import verify
 from lmforge.config.schema import ModelConfig, TokenizerTrainConfig
 from lmforge.data.tokenizer import train_tokenizer
+from lmforge.export.verify import verify
 from lmforge.models.build import build_model
 from tests.conftest import SMALL_ARCH, run_cli
 

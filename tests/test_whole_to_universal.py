@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lmforge.distributed.reshard import convert_to_universal, resume_path, universal_dir
-from lmforge.distributed.whole_to_universal import write_universal_from_whole
+from lmforge.ckpt.universal import convert_to_universal, universal_dir
+from lmforge.ckpt.whole_to_universal import write_universal_from_whole
+from lmforge.distributed.reshard import resume_path
 from lmforge.errors import UserInputError
 from lmforge.run_layout import RunPaths
 from lmforge.train.run_setup import clear_partial_writes

@@ -1,4 +1,4 @@
-"""The run directory of PRODUCT.md, by name: one torch-free definition that training, the
+"""The run directory (README.md, "The run directory"), by name: one torch-free definition that training, the
 report, the doctor and evaluation all read (`lmforge runs` and `lmforge report` start in a
 fraction of a second because nothing here imports torch)."""
 

@@ -7,6 +7,7 @@ Torch-free at import: upstream modules are imported only inside the checks.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -17,7 +18,13 @@ from typing import Any, Literal
 
 log = logging.getLogger(__name__)
 
-Kind = Literal["override", "private_attribute", "patch", "private_call"]
+# override: lmforge's method replaces upstream's; private_call: lmforge calls (or imports) a
+# private function, class or module; private_attribute: reads or writes a private attribute;
+# patch: replaces upstream behaviour (a function, method or table entry) on a module, class or
+# instance; attribute: writes a public attribute upstream reads (a flag, a config value, a
+# submodule); own_attribute: puts an attribute of lmforge's own on an upstream object, which
+# upstream must not define.
+Kind = Literal["override", "private_attribute", "patch", "private_call", "attribute", "own_attribute"]
 
 
 @dataclass(frozen=True)
@@ -27,17 +34,27 @@ class Coupling:
     where: str  # lmforge file that depends on it
     why: str
     parameters: tuple[str, ...] | None = None  # the upstream callable's parameter names, as tested
-    set_in: str | None = None  # private instance attribute: module:qualname of the function that sets it
+    set_in: str | None = None  # instance attribute: module:qualname of the function that sets it
+    instance: str | None = None  # instance attribute: module:qualname of a no-argument factory that has it
 
 
 _TRAINER = "transformers.trainer:Trainer"
-_STEP = "train/trainer.py"
+_STEP = "train/hf_trainer.py"  # the Trainer adapter: every Trainer hook lmforge overrides
 _RESHARD = "distributed/reshard.py"
 _CONTEXT = "distributed/context_parallel.py"
 _RING = "torch.distributed.tensor.experimental._context_parallel._attention"
+_CONTROL = "transformers.trainer_callback:TrainerControl"
+_CONFIG = "transformers.configuration_utils:PretrainedConfig"
+_MODEL = "transformers.modeling_utils:PreTrainedModel"
+_TOKENIZER = "transformers.tokenization_utils_base:PreTrainedTokenizerBase"
+_SAVERS = "train/memory_savers.py"
 REGISTRY: tuple[Coupling, ...] = (
+    Coupling(f"{_TRAINER}.__init__", "override", _STEP,
+             "the adapter's step, parallel state, train settings and weights dtype are set before HF's __init__, "
+             "which calls create_accelerator_and_postprocess (the dimensions wrap the model there)"),
     Coupling(f"{_TRAINER}.training_step", "override", _STEP,
-             "count real tokens, run drills and split a micro-batch after an OOM",
+             "count real tokens, run drills and split a micro-batch after an OOM; a pipeline-parallel batch "
+             "runs through torch.distributed.pipelining's schedule",
              ("self", "model", "inputs", "num_items_in_batch")),
     Coupling(f"{_TRAINER}.compute_loss", "override", _STEP,
              "mark the backward (an OOM after it taints the gradients), scale the loss in drills, and run "
@@ -50,7 +67,9 @@ REGISTRY: tuple[Coupling, ...] = (
              "warmup-stable-decay's decay length in steps, from train.decay_ratio and HF's step count",
              ("self", "num_training_steps", "optimizer")),
     Coupling(f"{_TRAINER}.prediction_step", "override", _STEP,
-             "drop the real-token count key before the model sees an eval batch",
+             "drop the real-token count key before the model sees an eval batch; a pipeline-parallel eval "
+             "batch runs the schedule forward only; under context parallelism each rank scores its chunks of "
+             "an eval batch and the context group's losses are averaged",
              ("self", "model", "inputs", "prediction_loss_only", "ignore_keys")),
     Coupling(f"{_TRAINER}._prepare_inputs", "override", _STEP,
              "online RL (TRL GRPO / RLOO) generates its completions here: count their tokens once "
@@ -60,7 +79,8 @@ REGISTRY: tuple[Coupling, ...] = (
              "time the wait for data (data-wait share) and the slow_data drill",
              ("self", "epoch_iterator", "num_batches", "device")),
     Coupling(f"{_TRAINER}._get_grad_norm", "override", _STEP,
-             "called once per optimizer step right before optimizer.step(): close the step there",
+             "called once per optimizer step right before optimizer.step(): close the step there; the "
+             "unclipped norm of a pipeline (max_grad_norm 0) spans every stage",
              ("self", "model", "grad_norm")),
     Coupling(f"{_TRAINER}.log", "override", _STEP,
              "repair HF's NaN-forever loss accumulator after a logged NaN",
@@ -68,33 +88,36 @@ REGISTRY: tuple[Coupling, ...] = (
     Coupling(f"{_TRAINER}._issue_warnings_after_load", "override", _STEP,
              "a tied head is never in a checkpoint: not a missing key (HF only knows _keys_to_ignore_on_save)",
              ("self", "load_result")),
-    Coupling(f"{_TRAINER}.create_accelerator_and_postprocess", "override", "distributed/fsdp.py",
-             "switch a CPU accelerator from MULTI_CPU to FSDP so FSDP2 really shards on CPU", ("self",)),
-    Coupling(f"{_TRAINER}.save_model", "override", "distributed/fsdp.py",
-             "gather a full HF model under FSDP sharded state dicts and DeepSpeed",
+    Coupling(f"{_TRAINER}.create_accelerator_and_postprocess", "override", _STEP,
+             "the dimensions' wrap once the Accelerator exists: switch a CPU accelerator from MULTI_CPU to FSDP "
+             "so FSDP2 really shards on CPU (distributed/fsdp.py), FSDP2 over a mesh's data dimension",
+             ("self",)),
+    Coupling(f"{_TRAINER}.save_model", "override", _STEP,
+             "gather a full HF model under FSDP sharded state dicts and DeepSpeed, one shard per pipeline "
+             "stage (distributed/fsdp.py, distributed/pipeline_parallel.py)",
              ("self", "output_dir", "_internal_call")),
     Coupling(f"{_TRAINER}._save", "private_call", "distributed/fsdp.py",
              "write the gathered state dict the way save_model would", ("self", "output_dir", "state_dict")),
-    Coupling(f"{_TRAINER}.train", "override", _RESHARD,
+    Coupling(f"{_TRAINER}.train", "override", _STEP,
              "a launch that loads DeepSpeed universal checkpoints converts each checkpoint it resumes "
              "(rollbacks too) and resumes from the converted directory",
              ("self", "resume_from_checkpoint", "trial", "ignore_keys_for_eval")),
-    Coupling(f"{_TRAINER}._load_from_checkpoint", "override", _RESHARD,
+    Coupling(f"{_TRAINER}._load_from_checkpoint", "override", _STEP,
              "an FSDP2 (torch DCP) checkpoint resumed by one process or DDP loads into the plain model; "
              "HF raises there", ("self", "resume_from_checkpoint", "model")),
-    Coupling(f"{_TRAINER}._load_optimizer_and_scheduler", "override", _RESHARD,
+    Coupling(f"{_TRAINER}._load_optimizer_and_scheduler", "override", _STEP,
              "the same for the optimizer (by parameter name) and scheduler; called right after DeepSpeed "
              "loaded a checkpoint, where a ZeRO-3 universal load's shared step counters are split",
              ("self", "checkpoint")),
-    Coupling(f"{_TRAINER}._load_rng_state", "override", _RESHARD,
+    Coupling(f"{_TRAINER}._load_rng_state", "override", _STEP,
              "a rank whose RNG file another world size did not write continues a writer rank's",
              ("self", "checkpoint")),
-    Coupling("transformers.trainer_pt_utils:set_rng_state_for_device", "private_call", _RESHARD,
+    Coupling("transformers.trainer_pt_utils:set_rng_state_for_device", "private_call", "ckpt/reshard_states.py",
              "restores the CUDA RNG state of a stand-in RNG file the way HF restores its own",
              ("device_name", "device_module", "checkpoint_rng_state", "is_distributed")),
-    Coupling("transformers.trainer_pt_utils:safe_globals", "private_call", _RESHARD,
+    Coupling("transformers.trainer_pt_utils:safe_globals", "private_call", "ckpt/reshard_states.py",
              "HF's numpy allow-list for rng_state*.pth, to load a stand-in RNG file", ()),
-    Coupling("deepspeed.checkpoint.ds_to_universal:main", "private_call", _RESHARD,
+    Coupling("deepspeed.checkpoint.ds_to_universal:main", "private_call", "ckpt/universal.py",
              "DeepSpeed's universal-checkpoint converter, called with the Namespace its parse_arguments "
              "builds (tests/test_reshard_resume.py compares the option names)", ("args",)),
     Coupling("deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3."
@@ -141,18 +164,10 @@ REGISTRY: tuple[Coupling, ...] = (
     Coupling(f"{_TRAINER}.gather_function", "private_attribute", "distributed/tensor_parallel.py",
              "the first evaluation reads the gather captured before the patch above",
              set_in=f"{_TRAINER}.create_accelerator_and_postprocess"),
-    Coupling(f"{_TRAINER}._clip_grad_norm", "override", "distributed/pipeline_parallel.py",
+    Coupling(f"{_TRAINER}._clip_grad_norm", "override", _STEP,
              "a pipeline's gradient norm spans every stage: clipping by one stage's norm would clip each "
              "stage differently", ("self", "model")),
-    Coupling(f"{_TRAINER}._get_grad_norm", "override", "distributed/pipeline_parallel.py",
-             "the unclipped norm of a pipeline (max_grad_norm 0) spans every stage too", ("self", "model", "grad_norm")),
-    Coupling(f"{_TRAINER}.training_step", "override", "distributed/pipeline_parallel.py",
-             "a pipeline-parallel batch runs through torch.distributed.pipelining's schedule",
-             ("self", "model", "inputs", "num_items_in_batch")),
-    Coupling(f"{_TRAINER}.prediction_step", "override", "distributed/pipeline_parallel.py",
-             "a pipeline-parallel eval batch runs the schedule forward only",
-             ("self", "model", "inputs", "prediction_loss_only", "ignore_keys")),
-    Coupling(f"{_TRAINER}._save_optimizer_and_scheduler", "override", "distributed/pipeline_parallel.py",
+    Coupling(f"{_TRAINER}._save_optimizer_and_scheduler", "override", _STEP,
              "a pipeline checkpoint: the stages' DCP model shards, the optimizer keyed by parameter name (each "
              "stage holds other parameters), the scheduler once", ("self", "output_dir")),
     Coupling(f"{_TRAINER}._prepare_inputs", "private_call", "distributed/pipeline_parallel.py",
@@ -161,15 +176,12 @@ REGISTRY: tuple[Coupling, ...] = (
              "distributed/pipeline_parallel.py",
              "emptied on pipeline stages without the head: transformers would re-tie a head that is not there",
              set_in="transformers.modeling_utils:PreTrainedModel.post_init"),
-    Coupling(f"{_TRAINER}.get_cp_size", "override", _CONTEXT,
+    Coupling(f"{_TRAINER}.get_cp_size", "override", _STEP,
              "the context degree from lmforge's mesh (HF reads accelerate's ParallelismConfig, which accelerate "
              "refuses on CPU): the Trainer divides its token count by it", ("self",)),
-    Coupling(f"{_TRAINER}._prepare_context_parallel_inputs", "override", _CONTEXT,
+    Coupling(f"{_TRAINER}._prepare_context_parallel_inputs", "override", _STEP,
              "torch's context_parallel over lmforge's mesh (HF enters it through accelerate's ParallelismConfig); "
              "HF's training and eval steps wrap forward and backward in what it returns", ("self", "model", "inputs")),
-    Coupling(f"{_TRAINER}.prediction_step", "override", _CONTEXT,
-             "each rank scores its chunks of an eval batch: the context group's losses are averaged",
-             ("self", "model", "inputs", "prediction_loss_only", "ignore_keys")),
     Coupling("accelerate.big_modeling:_attach_context_parallel_hooks", "private_call", _CONTEXT,
              "accelerate's attention pre-hooks that drop the mask and set is_causal (what ring attention runs); "
              "accelerate calls it from prepare() only under a ParallelismConfig", ("model",)),
@@ -228,6 +240,107 @@ REGISTRY: tuple[Coupling, ...] = (
     Coupling("peft.tuners.lora.layer:ParamWrapper.parameter_name", "private_attribute", "models/adapter_audit.py",
              "the parameter a LoRA parameter wrapper adapts (fused MoE experts): the audit's group name",
              set_in="peft.tuners.lora.layer:ParamWrapper.__init__"),
+    Coupling("torch.cpu:_is_avx512_bf16_supported", "private_call", "distributed/devices.py",
+             "whether this CPU multiplies bf16 natively (torch has no public question for it)", ()),
+    Coupling("torch.cpu:_is_amx_tile_supported", "private_call", "distributed/devices.py",
+             "the same for AMX tiles", ()),
+    Coupling("torch.distributed.tensor:DTensor._op_dispatcher", "private_attribute", _CONTEXT,
+             "torch's dispatcher of sharded calls: its unwrap_to_op_info gives the ring handler the local chunks"),
+    Coupling("torch:ops.aten._scaled_dot_product_flash_attention_for_cpu", "private_call", _CONTEXT,
+             "the CPU flash-attention kernel the ring handler is registered for (the table lists CUDA kernels)"),
+    Coupling("torch:ops.aten._scaled_dot_product_flash_attention_for_cpu_backward", "private_call", _CONTEXT,
+             "its backward, registered the same way"),
+    Coupling("torch.distributed.fsdp._fully_shard._fsdp_api:AllGather", "private_call", "distributed/comm_timing.py",
+             "the all-gather protocol set_custom_all_gather takes: the timed wrapper implements it"),
+    Coupling("torch.distributed.fsdp._fully_shard._fsdp_api:ReduceScatter", "private_call",
+             "distributed/comm_timing.py", "the reduce-scatter protocol set_custom_reduce_scatter takes"),
+    Coupling("torch.nn:Module._forward_hooks", "private_attribute", "train/chunked_loss.py",
+             "a head with forward hooks (PEFT, accelerate offload) is not fused into the chunked loss: the hooks "
+             "would not run", instance="torch.nn:Identity"),
+    Coupling("torch.nn:Module._forward_pre_hooks", "private_attribute", "train/chunked_loss.py",
+             "the same for forward pre-hooks", instance="torch.nn:Identity"),
+    Coupling("torch.nn:Module._hf_hook", "private_attribute", "train/chunked_loss.py",
+             "accelerate's hook on an offloaded module: such a head is not fused into the chunked loss either",
+             set_in="accelerate.hooks:add_hook_to_module"),
+    Coupling("torch.nn:Linear.forward", "patch", _SAVERS,
+             "the LM head's forward, replaced on the instance by a pass-through while the chunked cross-entropy "
+             "computes the logits chunk by chunk; deleted afterwards (the class's forward again)",
+             ("self", "input")),
+    Coupling(f"{_MODEL}.loss_function", "patch", _SAVERS,
+             "the model's loss, replaced on the instance by the chunked cross-entropy while a training forward runs"),
+    Coupling(f"{_MODEL}._loss_function", "private_attribute", _SAVERS,
+             "where the loss_function setter stores a replacement: deleted afterwards, so the property picks "
+             "the model's own loss again", set_in=f"{_MODEL}.loss_function"),
+    Coupling("transformers:Gemma2Config.final_logit_softcapping", "attribute", _SAVERS,
+             "switched off while the chunked cross-entropy applies the softcap itself, then restored",
+             instance="transformers:Gemma2Config"),
+    Coupling("trl.trainer.grpo_trainer:GRPOTrainer._logs", "private_attribute", "train/rl_samples.py",
+             "TRL keeps the logged prompts, completions and rewards there: lmforge sends the latest as samples",
+             set_in="trl.trainer.grpo_trainer:GRPOTrainer.__init__"),
+    Coupling("optuna.trial._trial:Trial._trial_id", "private_attribute", "sweep/run.py",
+             "the storage's id of the trial, which the trial's run directory and the failed-trial record name",
+             set_in="optuna.trial._trial:Trial.__init__"),
+    Coupling("deepspeed.utils.logging:logger.propagate", "attribute", "upstream.py",
+             "DeepSpeed's logger writes to stdout itself: route_deepspeed_logs removes its handler and lets its "
+             "records reach lmforge's console filter and train.log"),
+    Coupling(f"{_MODEL}._no_split_modules", "private_attribute", "distributed/fsdp.py",
+             "the decoder-layer classes FSDP2 wraps as one unit each"),
+    Coupling(f"{_CONTROL}.should_save", "attribute", "train/guard_callback.py",
+             "a guard stop or a stop signal checkpoints this step; a rollback does not (also sweep/pruning.py)"),
+    Coupling(f"{_CONTROL}.should_training_stop", "attribute", "train/guard_callback.py",
+             "guardrails, stop signals and the sweep pruner end training through HF's flag"),
+    Coupling(f"{_CONTROL}.should_log", "attribute", "train/assembly.py", "a log record at every logging step"),
+    Coupling(f"{_CONTROL}.should_evaluate", "attribute", "train/assembly.py",
+             "the evaluation at the last step, when there is an eval set"),
+    Coupling("transformers.trainer_callback:TrainerState.num_input_tokens_seen", "attribute", _STEP,
+             "lmforge counts the real tokens itself (they survive a resume); TRL's own addition is undone"),
+    Coupling("transformers.training_args:TrainingArguments.eval_on_start", "attribute", "train/assembly.py",
+             "the step-0 evaluation of a fresh run only (not of a resume or a rollback)"),
+    Coupling("transformers.training_args:TrainingArguments.lr_scheduler_kwargs", "attribute", _STEP,
+             "warmup-stable-decay's decay length, known once HF knows the step count"),
+    Coupling(f"{_TRAINER}.optimizer", "attribute", _STEP,
+             "create_optimizer sets Muon or LoRA+ where HF would build its own", set_in=f"{_TRAINER}.__init__"),
+    Coupling("transformers.trainer_callback:EarlyStoppingCallback.early_stopping_patience_counter", "attribute",
+             "train/callbacks.py", "the early-stopping count, restored on resume",
+             instance="transformers.trainer_callback:EarlyStoppingCallback"),
+    Coupling("transformers.trainer_callback:TrainerState.best_metric", "attribute", "train/callbacks.py",
+             "the best metric early stopping compares with, replayed from metrics.jsonl on resume"),
+    *(
+        Coupling(f"{_CONFIG}.{name}", "attribute", where, why, instance="transformers:LlamaConfig")
+        for name, where, why in (
+            ("tie_word_embeddings", "train/final.py", "an untied copy of the final model says so in its config"),
+            ("eos_token_id", "train/final.py", "generation stops at the chat template's end-of-turn tokens"),
+            ("use_cache", "export/to_onnx.py", "the ONNX graph is traced without a key-value cache"),
+            ("pad_token_id", "models/build.py", "a sequence-classification head reads the last non-pad token"),
+            ("dtype", "distributed/pipeline_parallel.py", "a pipeline stage's weights dtype, as loaded"),
+            ("_name_or_path", "train/rl_stage.py", "the reference model's path, written into its config"),
+        )
+    ),
+    Coupling("transformers.models.llama.modeling_llama:LlamaForCausalLM.lm_head", "attribute",
+             "distributed/pipeline_stages.py",
+             "replaced by a pass-through on pipeline stages without the head (HF causal LMs name it lm_head)",
+             set_in="transformers.models.llama.modeling_llama:LlamaForCausalLM.__init__"),
+    Coupling("transformers.models.llama.modeling_llama:LlamaModel.norm", "attribute",
+             "distributed/pipeline_stages.py",
+             "the final norm, replaced by a pass-through on pipeline stages without the head and put back "
+             "after the stage's forward (HF decoder models name it norm)",
+             set_in="transformers.models.llama.modeling_llama:LlamaModel.__init__"),
+    Coupling(f"{_TOKENIZER}.pad_token", "attribute", "data/tokenizer.py",
+             "set to a stand-in token where the tokenizer has none (also evaluate/loading.py, "
+             "train/reward_sources.py)", instance="lmforge.upstream:bare_fast_tokenizer"),
+    Coupling(f"{_TOKENIZER}.chat_template", "attribute", "data/chat.py",
+             "the chat template lmforge renders with, set on the tokenizer it saves",
+             set_in=f"{_TOKENIZER}.__init__"),
+    Coupling("tokenizers:Tokenizer.pre_tokenizer", "attribute", "data/tokenizer.py",
+             "byte-level pre-tokenization of a tokenizer lmforge trains"),
+    Coupling("tokenizers:Tokenizer.decoder", "attribute", "data/tokenizer.py", "its byte-level decoder"),
+    Coupling("torch.distributed.checkpoint.metadata:Metadata.storage_meta", "attribute", "ckpt/safe_load.py",
+             "set as torch's reader does after it reads .metadata (lmforge reads it under an allow-list)"),
+    Coupling("torch.distributed.checkpoint.metadata:StorageMeta.load_id", "attribute", "ckpt/safe_load.py",
+             "the same, as torch's reader sets it"),
+    Coupling("torch:Tensor.grad", "attribute", "train/step.py",
+             "a skipped step's gradients are set to None: optimizer.step() then changes neither parameters nor "
+             "moments"),
 )  # fmt: skip
 
 # Versions the registry was checked against: [tested, next minor) from constraints.txt.
@@ -252,19 +365,31 @@ def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def check_upstream_versions() -> list[str]:
-    """One warning per installed package outside the versions lmforge's couplings were tested on."""
-    warnings = []
+# Set to 1 to run with a library outside its tested range anyway: the stop becomes a warning.
+ALLOW_UNTESTED_ENV = "LMFORGE_ALLOW_UNTESTED_VERSIONS"
+
+
+def untested_versions() -> list[str]:
+    """One line per installed package outside the versions lmforge's couplings were tested on,
+    naming the package, the installed version and the tested range."""
+    found = []
     for package, (low, high) in TESTED.items():
         try:
             installed = metadata.version(package)
         except metadata.PackageNotFoundError:
             continue
         if not (_version_tuple(low) <= _version_tuple(installed) < _version_tuple(high)):
-            warnings.append(
-                f"{package} {installed} is outside the tested range >={low},<{high}; lmforge overrides or "
-                "patches parts of it (see lmforge/upstream.py): pin the tested version if training misbehaves"
-            )
+            found.append(f"{package} {installed} is outside the tested range >={low},<{high}")
+    return found
+
+
+def check_upstream_versions() -> list[str]:
+    """One warning per installed package outside the versions lmforge's couplings were tested on."""
+    warnings = [
+        f"{line}; lmforge overrides or patches parts of it (see lmforge/upstream.py): pin the tested "
+        "version if training misbehaves"
+        for line in untested_versions()
+    ]
     for line in warnings:
         log.warning(line)
     return warnings
@@ -279,14 +404,32 @@ def resolve(target: str) -> Any:
     return obj
 
 
+def bare_fast_tokenizer() -> Any:
+    """A transformers fast tokenizer over an empty BPE model: an instance for the registry's checks."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(BPE()))
+
+
 def coupling_problem(entry: Coupling) -> str | None:
-    """Why `entry` no longer holds for the installed libraries, or None."""
+    """Why `entry` no longer holds for the installed libraries, or None. An instance attribute is
+    looked up on an object built for the check (`instance`), else found among the attributes the
+    function that sets it (`set_in`) assigns; anything else is resolved, and a callable's parameter
+    names are compared."""
+    name = entry.target.rsplit(".", 1)[-1]
     try:
-        if entry.kind == "private_attribute" and entry.set_in is not None:
-            source = inspect.getsource(resolve(entry.set_in))
-            name = entry.target.rsplit(".", 1)[-1]
-            return None if f"self.{name}" in source else f"{entry.set_in} no longer sets self.{name}"
-        obj = resolve(entry.target)
+        if entry.instance is not None:
+            built = resolve(entry.instance)()
+            return None if hasattr(built, name) else f"{entry.instance}() has no attribute {name}"
+        if entry.set_in is not None:
+            assigned = assigned_attributes(resolve(entry.set_in))
+            return None if name in assigned else f"{entry.set_in} no longer sets .{name}"
+        if entry.kind == "own_attribute":
+            owner = resolve(entry.target.rsplit(".", 1)[0])
+            return f"{entry.target} is now defined upstream" if hasattr(owner, name) else None
+        obj = resolve_member(entry.target)
     except (ImportError, AttributeError) as err:
         return f"{entry.target} is gone ({err})"
     if entry.parameters is not None:
@@ -294,6 +437,44 @@ def coupling_problem(entry: Coupling) -> str | None:
         if found != entry.parameters:
             return f"{entry.target} now takes {found}, lmforge was written for {entry.parameters}"
     return None
+
+
+def resolve_member(target: str) -> Any:
+    """`resolve(target)`, or the dataclass field `target` names when it has no class-level default."""
+    try:
+        return resolve(target)
+    except AttributeError:
+        owner_path, _, name = target.rpartition(".")
+        owner = resolve(owner_path)
+        fields = {f.name: f for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else {}
+        if name not in fields:
+            raise
+        return fields[name]
+
+
+def assigned_attributes(function: Any) -> set[str]:
+    """Every attribute name `function` (a property: its setter) assigns to, read from its syntax
+    tree: `obj.name = ...`, `obj.name, other = ...`, `obj.name += ...`."""
+    import ast
+    import textwrap
+
+    if isinstance(function, property):
+        function = function.fset
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    names = set()
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        while targets:
+            target = targets.pop()
+            if isinstance(target, (ast.Tuple, ast.List)):
+                targets += target.elts
+            elif isinstance(target, ast.Attribute):
+                names.add(target.attr)
+    return names
 
 
 def check_upstream_coupling() -> list[str]:

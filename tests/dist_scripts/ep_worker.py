@@ -7,7 +7,7 @@
    4-row batch, the reference on the whole batch, both with AdamW, 3 steps. Recorded: the shape of
    each rank's slice of every parameter, which reference experts its rows are, and per step the
    loss gap and the largest gradient gap of every parameter (sharded gradients gathered whole).
-2. trainer: the same model class, fresh from seed 0, 3 HF Trainer steps under `CpuFsdp`.
+2. trainer: the same model class, fresh from seed 0, 3 HF Trainer steps under the Trainer adapter.
 `python tests/dist_scripts/ep_worker.py OUT` (one process) runs step 2 unsharded: the reference
 losses. Every rank writes OUT/rank{R}.json.
 """
@@ -27,13 +27,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import Dataset
-from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, TrainerCallback, TrainingArguments
 
-from lmforge.distributed.expert_parallel import shard_experts, shard_experts_over_data
-from lmforge.distributed.fsdp import CpuFsdp, fsdp_training_arguments
+from lmforge.distributed.expert_parallel import shard_experts_over_data
+from lmforge.distributed.fsdp import fsdp_training_arguments
 from lmforge.distributed.layout import Layout
+from lmforge.distributed.parallel import parallelize
+from lmforge.distributed.parallel_state import ParallelState
 from lmforge.distributed.ranks import leave_process_group
 from lmforge.distributed.tensor_parallel import local_shapes, shard_data_over_mesh
+from lmforge.train.hf_trainer import HFTrainerAdapter
 
 SEQ, VOCAB, GLOBAL_BATCH, STEPS, EXPERTS = 16, 128, 4, 3, 4
 LAYER = "Qwen2MoeDecoderLayer"
@@ -71,13 +74,13 @@ def ep_layout(world: int) -> Layout:
     return Layout(world_size=world, data=world, data_sharded=True, expert=world)
 
 
-def wrap_like_the_trainer(model: nn.Module, world: int) -> None:
-    """FSDP2 as CpuFsdp applies it, with FSDP2's default settings: a stand-in for the Trainer whose
+def wrap_like_the_trainer(model: nn.Module, world: int, state: ParallelState) -> None:
+    """FSDP2 as the data-shard dimension applies it, with FSDP2's default settings: a stand-in for the Trainer whose
     only fields `shard_data_over_mesh` reads are the model and the FSDP plugin."""
     plugin = SimpleNamespace(mixed_precision_policy=None, cpu_offload=None, reshard_after_forward=True)
     accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), num_processes=world)
-    shard_experts_over_data(model, plugin)
-    assert shard_data_over_mesh(SimpleNamespace(model=model, accelerator=accelerator), [LAYER])
+    shard_experts_over_data(model, state, plugin)
+    assert shard_data_over_mesh(SimpleNamespace(model=model, accelerator=accelerator), state.mesh, [LAYER])
 
 
 def held_experts(model: nn.Module, reference: nn.Module) -> list[int]:
@@ -113,9 +116,9 @@ def gradient_gaps(model: nn.Module, reference: nn.Module) -> dict[str, list[floa
 def engine_run(world: int, rank: int) -> dict[str, Any]:
     model = tiny_moe()
     reference = copy.deepcopy(model)
-    shard_experts(model, ep_layout(world), on_gpu=False)
+    state = parallelize(model, ep_layout(world), on_gpu=False)
     shapes, held = local_shapes(model), held_experts(model, reference)
-    wrap_like_the_trainer(model, world)
+    wrap_like_the_trainer(model, world, state)
     batch = progressions(GLOBAL_BATCH)
     mine = batch.chunk(world)[rank]  # the data ranks split the global batch, as the Trainer's loader does
     optimizer = torch.optim.AdamW(mesh_param_groups(model), lr=1e-2)
@@ -148,7 +151,7 @@ class Rows(Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-class EpTrainer(CpuFsdp, Trainer):
+class EpTrainer(HFTrainerAdapter):
     pass
 
 
@@ -171,8 +174,9 @@ class Losses(TrainerCallback):
 def trainer_run(out: Path, world: int) -> dict[str, Any]:
     model = tiny_moe()
     engine: dict[str, Any] = {}
+    parallel = None
     if world > 1:
-        shard_experts(model, ep_layout(world), on_gpu=False)
+        parallel = parallelize(model, ep_layout(world), on_gpu=False)
         engine = fsdp_training_arguments(model, wrap_layers=False)
     record = Losses()
     args = TrainingArguments(
@@ -192,7 +196,7 @@ def trainer_run(out: Path, world: int) -> dict[str, Any]:
         disable_tqdm=True,
         **engine,
     )
-    trainer = EpTrainer(model=model, args=args, train_dataset=Rows(32), callbacks=[record])
+    trainer = EpTrainer(model=model, args=args, train_dataset=Rows(32), callbacks=[record], parallel=parallel)
     trainer.train()
     return {
         "losses": record.losses,

@@ -1,4 +1,4 @@
-"""Train a tiny Llama with the HF Trainer under FSDP2 on CPU (gloo), through `lmforge`'s `CpuFsdp`.
+"""Train a tiny Llama with the HF Trainer under FSDP2 on CPU (gloo), through `lmforge`'s Trainer adapter.
 
 Run under `torchrun --nproc_per_node 2 --master_port P tests/dist_scripts/fsdp_trainer.py OUT [--resume]`.
 Writes OUT/rank{R}.json (or OUT/resume_rank{R}.json with --resume): the rank, the model's total
@@ -26,8 +26,9 @@ from transformers import (
     TrainingArguments,
 )
 
-from lmforge.distributed.fsdp import CpuFsdp, fsdp_training_arguments, local_parameter_numel
+from lmforge.distributed.fsdp import fsdp_training_arguments, local_parameter_numel
 from lmforge.distributed.ranks import leave_process_group
+from lmforge.train.hf_trainer import HFTrainerAdapter
 
 SEED = 1234
 SEQ = 32
@@ -50,7 +51,7 @@ class RandomTokens(Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-class FsdpTrainer(CpuFsdp, Trainer):
+class FsdpTrainer(HFTrainerAdapter):
     pass
 
 

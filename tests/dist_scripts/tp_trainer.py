@@ -1,6 +1,6 @@
 """Train a tiny Llama with the HF Trainer under tensor and / or context parallelism (alone, or with
-FSDP2 on the same mesh) on CPU (gloo), through lmforge's `shard_tensor_parallel`,
-`prepare_context_parallel`, `ContextParallel` and `CpuFsdp`.
+FSDP2 on the same mesh) on CPU (gloo), through lmforge's
+`parallelize` and the Trainer adapter (train/hf_trainer.py).
 
 Run `python tests/dist_scripts/tp_trainer.py OUT 1` for the single-process reference, or
 `torchrun --nproc_per_node N --master_port P tests/dist_scripts/tp_trainer.py OUT TP [--context CP]
@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 from torch.utils.data import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
-from lmforge.distributed.context_parallel import ContextParallel, prepare_context_parallel
-from lmforge.distributed.fsdp import CpuFsdp, fsdp_training_arguments
+from lmforge.distributed.fsdp import fsdp_training_arguments
 from lmforge.distributed.layout import Layout
+from lmforge.distributed.parallel import parallelize
 from lmforge.distributed.ranks import leave_process_group
-from lmforge.distributed.tensor_parallel import local_shapes, shard_tensor_parallel
+from lmforge.distributed.tensor_parallel import local_shapes
+from lmforge.train.hf_trainer import HFTrainerAdapter
 from lmforge.train.numerics import rank_flops_per_token
 
 SEQ, VOCAB, GLOBAL_BATCH, STEPS = 32, 256, 4, 4
@@ -63,7 +64,7 @@ class Batches:
         return {key: torch.stack([r[key] for r in rows]) for key in ("input_ids", "labels")}
 
 
-class TpTrainer(CpuFsdp, ContextParallel, Trainer):
+class TpTrainer(HFTrainerAdapter):
     pass
 
 
@@ -113,6 +114,7 @@ def main(out: Path, tensor: int, context: int, resume: bool) -> None:
     model = LlamaForCausalLM(config)
     lengths = seen_lengths(model)
     engine: dict[str, Any] = {}
+    parallel = None
     if tensor * context > 1:
         layout = Layout(
             world_size=world,
@@ -121,8 +123,7 @@ def main(out: Path, tensor: int, context: int, resume: bool) -> None:
             tensor=tensor,
             context=context,
         )
-        shard_tensor_parallel(model, layout, on_gpu=False)
-        prepare_context_parallel(model, layout, on_gpu=False)
+        parallel = parallelize(model, layout, on_gpu=False)
         engine = fsdp_training_arguments(model, wrap_layers=False)
     flops_per_token = rank_flops_per_token(model, SEQ)  # of this rank's shard of the model (MFU)
     batches, record = Batches(), Record()
@@ -156,6 +157,7 @@ def main(out: Path, tensor: int, context: int, resume: bool) -> None:
         eval_dataset=Progressions(9, offset=1000),  # 9 rows: over 2 data ranks the last step is cut
         data_collator=batches,
         callbacks=[record],
+        parallel=parallel,
     )
     trainer.train(resume_from_checkpoint=str(out / "ck" / "checkpoint-2") if resume else None)
     if not resume:

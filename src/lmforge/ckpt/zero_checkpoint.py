@@ -3,7 +3,7 @@
 Rank files are opened with `torch.load(weights_only=True, mmap=True)`: unpickling creates only
 tensors, plain containers and the few inert DeepSpeed classes listed in ZERO_SAFE_GLOBALS, and
 no tensor data is read until a slice of it is copied. Each parameter is assembled from its rank
-slices exactly as DeepSpeed's zero_to_fp32 does in `lmforge.ckpt.zero_assembly`.
+slices exactly as DeepSpeed's zero_to_fp32 does in `lmforge.export.zero_assembly`.
 """
 
 from __future__ import annotations

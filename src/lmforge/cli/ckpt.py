@@ -1,4 +1,4 @@
-"""`lmforge ckpt ...`: the checkpoint toolkit. Each command is a thin wrapper over lmforge.ckpt."""
+"""`lmforge ckpt ...`: the checkpoint toolkit. Each command is a thin wrapper over lmforge.export."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from lmforge.cli import ckpt_consolidate, ckpt_convert, ckpt_prune, ckpt_verify
 from lmforge.cli.console import console
 
 if TYPE_CHECKING:
-    from lmforge.ckpt.export import ExportOutcome
+    from lmforge.export.run_export import ExportOutcome
 
 ckpt_app = typer.Typer(help="Checkpoint tools.", no_args_is_help=True)
 ckpt_app.command("consolidate")(ckpt_consolidate.command)
@@ -34,7 +34,7 @@ def ckpt_inspect(
 
     Example: `lmforge ckpt inspect runs/sft/checkpoints/step-100 --json`
     """
-    from lmforge.ckpt.inspect import inspect_checkpoint
+    from lmforge.export.inspect import inspect_checkpoint
 
     info = inspect_checkpoint(path)
     if as_json:
@@ -56,7 +56,7 @@ def ckpt_merge_lora(
 
     Example: `lmforge ckpt merge-lora --base runs/quickstart/pretrain/final --adapter runs/quickstart/finetune/final/adapter --out merged/`
     """
-    from lmforge.ckpt.merge import merge_lora
+    from lmforge.export.merge import merge_lora
 
     report = merge_lora(base, adapter, out)
     console.print(

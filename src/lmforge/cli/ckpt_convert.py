@@ -30,7 +30,7 @@ def command(
 
     Example: `lmforge ckpt convert runs/sft/final --to gguf --dtype q8_0 --out export/gguf`
     """
-    from lmforge.ckpt.convert import convert
+    from lmforge.export.convert import convert
 
     result = convert(path, to, out, dtype=dtype, max_shard_size=max_shard_size, allow_bin=allow_bin)
     console.print(f"[bold green]converted[/] {path} -> {result.format} in {result.out}")

@@ -30,7 +30,7 @@ def command(
 
     Example: `lmforge ckpt prune runs/sft/final --out slim/ --keep-layers 0-5 --max-positions 512 --dtype bf16`
     """
-    from lmforge.ckpt.prune import prune_checkpoint
+    from lmforge.export.prune import prune_checkpoint
 
     report = prune_checkpoint(
         path,

@@ -42,7 +42,7 @@ def command(
 
     Example: `lmforge ckpt verify runs/sft/export/gguf --against runs/sft/final --data eval.jsonl --json`
     """
-    from lmforge.ckpt.verify import verify
+    from lmforge.export.verify import verify
 
     overrides = {
         key: value

@@ -32,10 +32,10 @@ def estimate(
 
     Example: `lmforge estimate examples/sft_chat.yaml train.micro_batch_size=4 --gpus 8 --gpu-mem 80GB`
     """
-    from lmforge.ckpt.safetensors_stream import parse_size
     from lmforge.config.load import load_config
     from lmforge.distributed.estimate import estimate_memory
     from lmforge.distributed.planner import overall_recommendation, plan_layouts_for
+    from lmforge.export.safetensors_stream import parse_size
 
     try:
         gpu_mem, gpu_mem_source = _gpu_memory(gpu_mem)

@@ -114,6 +114,7 @@ def launch(
     from lmforge.config import load_config
     from lmforge.distributed import launch as plan
     from lmforge.train import oom_ladder
+    from lmforge.train.preflight import require_tested_versions
 
     apply_verbosity(verbose)  # the workers inherit it (LMFORGE_VERBOSE)
     from lmforge.distributed.hostfile import hostfile_layout
@@ -122,6 +123,8 @@ def launch(
         if backend not in ("torchrun", "deepspeed", "accelerate"):
             raise UserInputError(f"--backend {backend!r}: use torchrun, deepspeed or accelerate")
         cfg = load_config(config, overrides or [])
+        if not dry_run:  # a dry run starts nothing: it only shows the plan
+            require_tested_versions()  # before any worker starts
         worker_overrides, engine_note = _engine_for_backend(
             backend, cfg.distributed.strategy, overrides or []
         )
@@ -192,7 +195,7 @@ def launch(
 def _mesh_note(cfg: LmforgeConfig, request: LaunchRequest) -> str | None:
     """The device mesh of a tensor / context / pipeline / expert parallel run, checked against the
     model and the world size before any worker starts."""
-    from lmforge.distributed.layout import launch_mesh_note
+    from lmforge.distributed.parallel import launch_mesh_note
 
     low, high = request.node_range
     if low != high:  # an elastic range: the world size is known only when the workers meet

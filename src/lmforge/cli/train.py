@@ -34,9 +34,10 @@ def train(
     # Before the training stack is imported: a bad config, or a run this machine cannot do, is
     # answered in a second.
     cfg = load_config(config, overrides)
-    from lmforge.train.preflight import check_machine_requirements
+    from lmforge.train.preflight import check_machine_requirements, require_tested_versions
 
     check_machine_requirements(cfg)
+    require_tested_versions()  # before the training stack imports a library lmforge was not tested on
     from rich.markup import escape
 
     from lmforge.distributed.ranks import current_world, leave_process_group

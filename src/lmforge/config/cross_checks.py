@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 from lmforge.config.layout_rules import layout_problems
 from lmforge.config.rl_rules import rl_problems
-from lmforge.config.schema import ADAPTER_METHODS, RL_STAGES, LmforgeConfig, TrainConfig
+from lmforge.config.schema import ADAPTER_METHODS, LmforgeConfig, TrainConfig
+from lmforge.config.stages import stage_spec
 
 CHAT_FORMATS = {"alpaca", "sharegpt", "messages"}
-PREFERENCE_STAGES = {"dpo", "kto", "rm"}
 
 Rule = tuple[Callable[[LmforgeConfig], bool], str, str]
 
@@ -36,13 +36,13 @@ RULES: list[Rule] = [
         "choose one of data.packing and data.padding_free",
     ),
     (
-        lambda c: c.train.stage == "pretrain" and (c.data.packing or c.data.padding_free),
+        lambda c: stage_spec(c.train.stage).data_kind == "text" and (c.data.packing or c.data.padding_free),
         "data.packing",
         "pretraining already packs text into full blocks; packing/padding_free apply to train.stage: sft",
     ),
     (
         lambda c: (
-            c.train.stage == "pretrain"
+            stage_spec(c.train.stage).data_kind == "text"
             and any(s.format not in ("auto", "text") for s in [*c.data.train, *c.data.eval])
         ),
         "data.train",
@@ -50,25 +50,29 @@ RULES: list[Rule] = [
     ),
     (
         lambda c: (
-            c.train.stage != "pretrain" and any(s.format == "text" for s in [*c.data.train, *c.data.eval])
+            stage_spec(c.train.stage).data_kind != "text"
+            and any(s.format == "text" for s in [*c.data.train, *c.data.eval])
         ),
         "data.train",
         "format: text is raw pretraining text; train.stage: sft/dpo/kto/rm needs conversation or preference rows",
     ),
     (
-        lambda c: c.train.stage != "pretrain" and c.tokenizer.train is not None,
+        lambda c: stage_spec(c.train.stage).data_kind != "text" and c.tokenizer.train is not None,
         "tokenizer.train",
         "tokenizer.train learns from raw text sources; for fine-tuning stages train one with "
         "`lmforge tokenizer train --input ... --out DIR` and set tokenizer.path: DIR, or use model.path's tokenizer",
     ),
     (
-        lambda c: c.train.stage == "sft" and any(s.format in ("preference", "kto") for s in c.data.train),
+        lambda c: (
+            stage_spec(c.train.stage).data_kind == "chat"
+            and any(s.format in ("preference", "kto") for s in c.data.train)
+        ),
         "data.train",
         "preference and kto rows need a preference stage (dpo / kto / rm), not train.stage: sft",
     ),
     (
         lambda c: (
-            c.train.stage in ("dpo", "rm")
+            stage_spec(c.train.stage).data_kind == "pairs"
             and any(s.format in CHAT_FORMATS | {"kto"} for s in [*c.data.train, *c.data.eval])
         ),
         "data.train",
@@ -76,24 +80,26 @@ RULES: list[Rule] = [
     ),
     (
         lambda c: (
-            c.train.stage == "kto" and any(s.format in CHAT_FORMATS for s in [*c.data.train, *c.data.eval])
+            stage_spec(c.train.stage).data_kind == "labelled"
+            and any(s.format in CHAT_FORMATS for s in [*c.data.train, *c.data.eval])
         ),
         "data.train",
         "train.stage: kto learns from labelled rows (format: kto) or preference pairs (format: preference)",
     ),
     (
-        lambda c: c.train.stage in PREFERENCE_STAGES and (c.data.packing or c.data.padding_free),
+        lambda c: stage_spec(c.train.stage).offline_preference and (c.data.packing or c.data.padding_free),
         "data.packing",
         "preference stages batch chosen and rejected answers side by side; packing applies to pretrain and sft",
     ),
     (
-        lambda c: c.train.stage in RL_STAGES and (c.data.packing or c.data.padding_free),
+        lambda c: stage_spec(c.train.stage).online_rl and (c.data.packing or c.data.padding_free),
         "data.packing",
         "online RL generates its completions at run time; packing applies to pretrain and sft",
     ),
     (
         lambda c: (
-            c.train.stage in RL_STAGES and any(s.format == "kto" for s in [*c.data.train, *c.data.eval])
+            stage_spec(c.train.stage).online_rl
+            and any(s.format == "kto" for s in [*c.data.train, *c.data.eval])
         ),
         "data.train",
         "train.stage grpo / rloo reads prompts with a reference answer (alpaca, sharegpt, messages, "
@@ -101,7 +107,7 @@ RULES: list[Rule] = [
     ),
     (
         lambda c: (
-            c.train.stage in RL_STAGES
+            stage_spec(c.train.stage).online_rl
             and (c.train.micro_batch_size * c.train.grad_accum) % c.train.rl.group_size != 0
         ),
         "train.micro_batch_size",
@@ -115,7 +121,7 @@ RULES: list[Rule] = [
         "train.rl.loss selects GRPO's loss variants; RLOO has its own estimator: leave train.rl.loss unset",
     ),
     (
-        lambda c: c.train.stage not in RL_STAGES and bool(c.train.rewards),
+        lambda c: not stage_spec(c.train.stage).online_rl and bool(c.train.rewards),
         "train.rewards",
         "rewards score the completions of online RL (train.stage grpo or rloo); remove them for this stage",
     ),
@@ -137,7 +143,7 @@ RULES: list[Rule] = [
         "full-precision base with `lmforge ckpt merge-lora`)",
     ),
     (
-        lambda c: bool(c.export.formats) and c.train.stage == "rm",
+        lambda c: bool(c.export.formats) and stage_spec(c.train.stage).head == "score",
         "export.formats",
         "a reward model (train.stage rm) has a score head, not a language-model head; GGUF/ONNX/"
         "safetensors exports here are for causal LMs: remove export.formats",
@@ -280,7 +286,7 @@ RULES: list[Rule] = [
         "use optimizer adamw with deepspeed, or distributed.strategy: fsdp / ddp",
     ),
     (
-        lambda c: c.train.chunked_cross_entropy and c.train.stage not in ("pretrain", "sft"),
+        lambda c: c.train.chunked_cross_entropy and not stage_spec(c.train.stage).language_model_loss,
         "train.chunked_cross_entropy",
         "the chunked loss is the next-token loss of stage pretrain and sft; the other stages compute their "
         "own losses from the logits: remove train.chunked_cross_entropy",
@@ -311,7 +317,7 @@ RULES: list[Rule] = [
         "train.compile -- each alone gave about 1.4x the plain bf16 step there (bench/RESULTS.md)",
     ),
     (
-        lambda c: c.train.compile and c.train.stage in RL_STAGES,
+        lambda c: c.train.compile and stage_spec(c.train.stage).online_rl,
         "train.compile",
         "online RL alternates generation and training with changing shapes, which recompiles the model "
         "every step; remove train.compile",

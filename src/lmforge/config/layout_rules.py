@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lmforge.config.schema import DistributedConfig, LmforgeConfig
+from lmforge.config.stages import stage_spec
 
 __all__ = ["LAYOUT_RULES", "layout_problems", "mesh_engine", "pipeline_microbatches"]
 
@@ -145,7 +146,7 @@ LAYOUT_RULES: list[LayoutRule] = [
     *(_engine_rule(key) for key in _MESH),
     # tensor parallelism
     (
-        lambda c: c.distributed.tensor_parallel > 1 and c.train.stage in ("dpo", "kto"),
+        lambda c: c.distributed.tensor_parallel > 1 and stage_spec(c.train.stage).reference == "in_memory",
         "train.stage",
         lambda c: (
             f"{c.train.stage} with tensor_parallel: {c.distributed.tensor_parallel}: TRL prepares the "
@@ -156,7 +157,9 @@ LAYOUT_RULES: list[LayoutRule] = [
     ),
     (
         lambda c: (
-            c.distributed.tensor_parallel > 1 and c.train.stage in ("grpo", "rloo") and c.train.rl.beta > 0
+            c.distributed.tensor_parallel > 1
+            and stage_spec(c.train.stage).reference == "on_disk"
+            and c.train.rl.beta > 0
         ),
         "train.rl.beta",
         lambda c: (
@@ -167,7 +170,7 @@ LAYOUT_RULES: list[LayoutRule] = [
     ),
     # context parallelism
     (
-        lambda c: c.distributed.context_parallel > 1 and c.train.stage not in ("pretrain", "sft"),
+        lambda c: c.distributed.context_parallel > 1 and not stage_spec(c.train.stage).language_model_loss,
         "train.stage",
         lambda c: (
             f"{c.train.stage} with context_parallel: {c.distributed.context_parallel}: the split "
@@ -212,7 +215,8 @@ LAYOUT_RULES: list[LayoutRule] = [
         lambda c: (
             c.distributed.expert_parallel > 1
             and (
-                c.train.stage in ("dpo", "kto") or (c.train.stage in ("grpo", "rloo") and c.train.rl.beta > 0)
+                stage_spec(c.train.stage).reference == "in_memory"
+                or (stage_spec(c.train.stage).reference == "on_disk" and c.train.rl.beta > 0)
             )
         ),
         "train.stage",
@@ -220,7 +224,7 @@ LAYOUT_RULES: list[LayoutRule] = [
             f"{c.train.stage} with expert_parallel: {c.distributed.expert_parallel}: the reference "
             "model would run its own forward on some ranks only, and every expert-parallel forward is a "
             "collective over the expert group (a hang); set distributed.expert_parallel: 1"
-            + (" or train.rl.beta: 0" if c.train.stage in ("grpo", "rloo") else "")
+            + (" or train.rl.beta: 0" if stage_spec(c.train.stage).reference == "on_disk" else "")
         ),
     ),
     *(
@@ -238,7 +242,7 @@ LAYOUT_RULES: list[LayoutRule] = [
         for key in ("tensor_parallel", "context_parallel", "expert_parallel")
     ),
     (
-        lambda c: c.distributed.pipeline_parallel > 1 and c.train.stage not in ("pretrain", "sft"),
+        lambda c: c.distributed.pipeline_parallel > 1 and not stage_spec(c.train.stage).language_model_loss,
         "train.stage",
         lambda c: (
             f"{c.train.stage} with pipeline_parallel: {c.distributed.pipeline_parallel}: the pipeline "

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmforge.config.schema import RL_STAGES, LmforgeConfig
-from lmforge.config.stage_guardrails import SPIKE_KEYS, stage_guardrails
+from lmforge.config.schema import LmforgeConfig
+from lmforge.config.stages import SPIKE_KEYS, stage_guardrails, stage_spec
 
 __all__ = ["reward_model_problems", "rl_problems"]
 
@@ -44,7 +44,7 @@ def _spike_settings_problems(cfg: LmforgeConfig) -> list[tuple[str, str]]:
 
 def reward_model_problems(cfg: LmforgeConfig) -> list[tuple[str, str]]:
     """A `kind: model` reward whose directory is missing (otherwise found only after the policy loaded)."""
-    if cfg.train.stage not in RL_STAGES:
+    if not stage_spec(cfg.train.stage).online_rl:
         return []  # rewards on another stage are refused by their own rule
     return [
         (

@@ -1,4 +1,4 @@
-"""The typed config tree: one pydantic model per section of PRODUCT.md.
+"""The typed config tree: one pydantic model per config section (README.md, "The config").
 
 Every field's description is its help text (`lmforge config schema` prints them).
 Only keys that have an effect exist; unknown keys are errors (`extra="forbid"`).
@@ -464,7 +464,6 @@ ADAPTER_METHODS = ("lora", "dora", "qlora")
 # take 1024 x 150k x 4 B = 0.6 GB, where a micro-batch of 8 x 1024 tokens would take 4.9 GB at
 # once; chunks this long keep the head's matmul large enough to run at full speed.
 CHUNKED_LOSS_TOKENS = 1024
-RL_STAGES = ("grpo", "rloo")  # the online RL stages of train.stage
 OPTIMIZERS_ON_GPU_ONLY = ("paged_adamw_8bit", "paged_adamw_32bit")
 
 

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from datasets import Dataset, load_from_disk
@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from lmforge.config.schema import DataConfig, SourceConfig
+from lmforge.config.stages import stage_spec
 from lmforge.data.bad_rows import BadRowPolicy
 from lmforge.data.chat import Dropped, TokenizedSample, adopt_template, tokenize_conversations
 from lmforge.data.chat_render import message_dicts
@@ -37,8 +38,6 @@ from lmforge.data.sft import sft_fingerprint
 from lmforge.data.stats import length_histogram
 from lmforge.errors import UserInputError
 
-PreferenceStage = Literal["dpo", "kto", "rm", "grpo", "rloo"]
-RL_STAGES = ("grpo", "rloo")
 CODE_VERSION = "preference-v1"
 _CHUNK = 512
 
@@ -56,7 +55,7 @@ class PreparedPreference:
 def prepare_preference_data(
     cfg: DataConfig,
     tokenizer: PreTrainedTokenizerBase,
-    stage: PreferenceStage,
+    stage: str,
     *,
     seed: int,
     cache_dir: Path,
@@ -82,7 +81,7 @@ class _PreferenceKind:
         self,
         cfg: DataConfig,
         tokenizer: PreTrainedTokenizerBase,
-        stage: PreferenceStage,
+        stage: str,
         seed: int,
         quarantine_path: Path,
     ) -> None:
@@ -161,7 +160,7 @@ class _LengthChecker:
         self.cfg, self.tokenizer, self.template = cfg, tokenizer, template
         self.dropped: Counter[str] = Counter()
 
-    def rows(self, examples: Iterable[Example], stage: PreferenceStage, split: str) -> list[_Row]:
+    def rows(self, examples: Iterable[Example], stage: str, split: str) -> list[_Row]:
         out: list[_Row] = []
         chunk: list[tuple[list[Message], list[Message], bool | None, Any]] = []
         with tqdm(desc=f"check lengths {split}", unit="row") as bar:
@@ -177,7 +176,7 @@ class _LengthChecker:
     def _check(
         self,
         chunk: Sequence[tuple[list[Message], list[Message], bool | None, Any]],
-        stage: PreferenceStage,
+        stage: str,
         split: str,
     ) -> list[_Row]:
         if not chunk:
@@ -209,20 +208,21 @@ class _LengthChecker:
 
 
 def _as_prompt_and_answers(
-    example: Example, stage: PreferenceStage
+    example: Example, stage: str
 ) -> list[tuple[list[Message], list[Message], bool | None, Any]]:
     """(prompt, answers, kto label, (origin, tools)) units; KTO reads a pair as one good and one bad row."""
+    kind = stage_spec(stage).data_kind
     if isinstance(example, PreferencePair):
         meta = (example.origin, example.tools)
-        if stage == "kto":
+        if kind == "labelled":
             return [
                 (example.prompt, [example.chosen], True, meta),
                 (example.prompt, [example.rejected], False, meta),
             ]
         return [(example.prompt, [example.chosen, example.rejected], None, meta)]
-    if isinstance(example, LabeledConversation) and stage == "kto":
+    if isinstance(example, LabeledConversation) and kind == "labelled":
         return [(example.messages[:-1], [example.messages[-1]], example.label, (example.origin, None))]
-    if stage in RL_STAGES:
+    if kind == "prompts":
         # A prompt and its reference answer: the conversation's last assistant turn, or the chosen
         # answer of a preference pair.
         if isinstance(example, Conversation):
@@ -230,7 +230,9 @@ def _as_prompt_and_answers(
         if isinstance(example, PreferencePair):
             return [(example.prompt, [example.chosen], None, (example.origin, example.tools))]
     wanted = (
-        "kto rows or preference pairs" if stage == "kto" else "preference pairs (prompt, chosen, rejected)"
+        "kto rows or preference pairs"
+        if kind == "labelled"
+        else "preference pairs (prompt, chosen, rejected)"
     )
     raise UserInputError(
         f"{example.origin.file}:{example.origin.line}: a {type(example).__name__} row, but train.stage: "
@@ -244,13 +246,14 @@ def _row(
     label: bool | None,
     tools: Any,
     samples: list[TokenizedSample],
-    stage: PreferenceStage,
+    stage: str,
 ) -> _Row:
     prompt_dicts = message_dicts(prompt)
     answer_dicts = [message_dicts([a]) for a in answers]
-    if stage == "kto":
+    kind = stage_spec(stage).data_kind
+    if kind == "labelled":
         record: dict[str, Any] = {"prompt": prompt_dicts, "completion": answer_dicts[0], "label": bool(label)}
-    elif stage in RL_STAGES:
+    elif kind == "prompts":
         record = {"prompt": prompt_dicts, "answer": answers[0].content}
     else:
         record = {"prompt": prompt_dicts, "chosen": answer_dicts[0], "rejected": answer_dicts[1]}

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 from transformers import PreTrainedTokenizerBase, default_data_collator
 
 from lmforge.config import LmforgeConfig
+from lmforge.config.stages import stage_spec
 from lmforge.data.tokenizer_source import obtain_tokenizer
 from lmforge.errors import UserInputError
 from lmforge.run_layout import RunPaths
@@ -56,9 +57,10 @@ def prepare_data_for_run(
     paths.root.mkdir(parents=True, exist_ok=True)
     cache_dir = resolve_cache_dir(cfg)
     tokenizer = obtain_tokenizer(cfg, paths, cache_dir)
-    if cfg.train.stage == "pretrain":
+    data_kind = stage_spec(cfg.train.stage).data_kind
+    if data_kind == "text":
         data = _pretraining_data(cfg, tokenizer, cache_dir)
-    elif cfg.train.stage == "sft":
+    elif data_kind == "chat":
         data = _sft_data(cfg, tokenizer, cache_dir, paths)
     else:
         data = _preference_data(cfg, tokenizer, cache_dir, paths)
@@ -86,7 +88,7 @@ def check_micro_batch_fits(cfg: LmforgeConfig, data: RunData) -> None:
     the whole set is checked here because it is known on every rank."""
     size = len(data.train)  # type: ignore[arg-type]
     batch = cfg.train.micro_batch_size
-    if cfg.train.stage in ("grpo", "rloo"):  # a micro-batch of completions: group_size per prompt
+    if stage_spec(cfg.train.stage).online_rl:  # a micro-batch of completions: group_size per prompt
         batch = -(-batch // cfg.train.rl.group_size)
     if size >= batch:
         return
@@ -94,15 +96,16 @@ def check_micro_batch_fits(cfg: LmforgeConfig, data: RunData) -> None:
         f"train.micro_batch_size={batch} is larger than the training set, which holds {size} "
         f"{_train_units(cfg)} (see {RunPaths(cfg.run.dir).data_report}). Fix: lower "
         f"train.micro_batch_size to {max(size, 1)} or less, or add training data"
-        + (" or lower data.max_length." if cfg.train.stage == "pretrain" else ".")
+        + (" or lower data.max_length." if stage_spec(cfg.train.stage).data_kind == "text" else ".")
     )
 
 
 def _train_units(cfg: LmforgeConfig) -> str:
     """What one item of the training set is, in the words of the data report."""
-    if cfg.train.stage == "pretrain":
+    data_kind = stage_spec(cfg.train.stage).data_kind
+    if data_kind == "text":
         return f"block(s) of data.max_length={cfg.data.max_length} tokens"
-    if cfg.train.stage == "sft":
+    if data_kind == "chat":
         return "packed row(s)" if cfg.data.packing else "sample(s)"
     return f"{cfg.train.stage} row(s)"
 
@@ -112,7 +115,6 @@ def _preference_data(
 ) -> RunData:
     from lmforge.data.preference import prepare_preference_data
 
-    assert cfg.train.stage in ("dpo", "kto", "rm", "grpo", "rloo")
     prepared = prepare_preference_data(
         cfg.data,
         tokenizer,

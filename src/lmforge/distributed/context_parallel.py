@@ -18,7 +18,8 @@ when accelerate has a ParallelismConfig with cp_size > 1: `training_step` wraps 
 in `_prepare_context_parallel_inputs`'s context, the token count is divided by `get_cp_size()`, and
 the loss is scaled by the processes that read different tokens. accelerate refuses a ParallelismConfig
 on CPU and cannot build FSDP2 x TP with these versions (distributed/tensor_parallel.py says why), so
-`ContextParallel` answers those two hooks from lmforge's mesh, and the rest is the Trainer's own.
+the `ContextParallel` dimension answers those two hooks from lmforge's mesh (the Trainer adapter,
+train/hf_trainer.py, asks it), and the rest is the Trainer's own.
 
 The loss: each rank's cross-entropy sums over its tokens and divides by the step's token count,
 which the Trainer counted before the cut, then scales by the data x context ranks; FSDP2 averages
@@ -36,19 +37,28 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+from lmforge.distributed.layout import Layout, divisors
+from lmforge.distributed.parallel_state import DimensionHooks, ParallelState
+from lmforge.distributed.plan_terms import MemorySplit
+from lmforge.distributed.tensor_parallel import CONTEXT_DIM, build_mesh
 
-from lmforge.data.collate import IGNORE_INDEX
-from lmforge.distributed.layout import Layout
-from lmforge.distributed.tensor_parallel import CONTEXT_DIM, MESH_ATTRIBUTE, build_mesh
+if TYPE_CHECKING:
+    # Annotations only (the imports a run needs are in its functions): `plan_layout` and the
+    # planner read this dimension's checks before the training stack loads.
+    import torch
+    from torch import nn
+
+    from lmforge.config.schema import DistributedConfig
+    from lmforge.distributed.estimate import ModelShape
+    from lmforge.distributed.plan_terms import Workload
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "CONTEXT",
     "ContextParallel",
     "context_mesh",
     "enable_cpu_ring_attention",
@@ -57,17 +67,18 @@ __all__ = [
 ]
 
 
-def prepare_context_parallel(model: Any, layout: Layout, *, on_gpu: bool) -> None:
-    """Put the model on the mesh with a context dimension and make its attention layers causal-only.
+def prepare_context_parallel(model: Any, layout: Layout, *, on_gpu: bool, mesh: Any = None) -> Any:
+    """Make the model's attention layers causal-only; the mesh with a context dimension (`mesh`,
+    tensor parallelism's, which it then shares, else a new one), or None.
 
     A no-op unless `layout.context > 1`. Called right after the model is built, after tensor
-    parallelism (whose mesh, built with the context dimension, it then shares)."""
+    parallelism."""
     if layout.context == 1:
-        return
+        return mesh
     from accelerate.big_modeling import _attach_context_parallel_hooks
 
-    if getattr(model, MESH_ATTRIBUTE, None) is None:
-        setattr(model, MESH_ATTRIBUTE, build_mesh(layout, on_gpu=on_gpu))
+    if mesh is None:
+        mesh = build_mesh(layout, on_gpu=on_gpu)
     _attach_context_parallel_hooks(model)
     if not on_gpu:
         enable_cpu_ring_attention()
@@ -75,11 +86,11 @@ def prepare_context_parallel(model: Any, layout: Layout, *, on_gpu: bool) -> Non
         "context parallel: each sequence split over %d ranks (ring attention, head-tail load balancing)",
         layout.context,
     )
+    return mesh
 
 
-def context_mesh(model: Any) -> Any:
-    """The mesh's context dimension, or None when the model is not context parallel."""
-    mesh = getattr(model, MESH_ATTRIBUTE, None)
+def context_mesh(mesh: Any) -> Any:
+    """The context dimension of the run's `mesh`, or None when the model is not context parallel."""
     if mesh is None or CONTEXT_DIM not in (mesh.mesh_dim_names or ()):
         return None
     return mesh[CONTEXT_DIM]
@@ -90,6 +101,11 @@ def sequence_buffers(inputs: dict[str, Any], ranks: int) -> dict[str, Any]:
     of a chunk predicts the next chunk's first), explicit position ids, right-padded to a multiple
     of 2 x ranks (the load balancer's chunks), and no attention mask (the ring runs causal attention;
     lmforge's collators pad on the right, so no real token ever attends to padding)."""
+    import torch
+    import torch.nn.functional as F
+
+    from lmforge.data.collate import IGNORE_INDEX
+
     ids = inputs["input_ids"]
     length = ids.shape[1]
     padded = -(-length // (2 * ranks)) * (2 * ranks)
@@ -106,20 +122,62 @@ def sequence_buffers(inputs: dict[str, Any], ranks: int) -> dict[str, Any]:
     return out
 
 
-class ContextParallel:
-    """Trainer mixin: the HF Trainer's own context-parallel step, on lmforge's mesh.
+class ContextParallel(DimensionHooks):
+    """Context parallelism as a parallel dimension: the HF Trainer's own context-parallel step, on
+    lmforge's mesh (the adapter asks `batch_ranks` for `get_cp_size`, `split_batch` for
+    `_prepare_context_parallel_inputs`, `eval_loss` in `prediction_step`)."""
 
-    Use as `class MyTrainer(ContextParallel, Trainer)`; a no-op for a model without a context
-    dimension (`prepare_context_parallel` was not called, or with context_parallel: 1)."""
+    name = "context"
 
-    def get_cp_size(self) -> int:
-        mesh = context_mesh(self.model)  # type: ignore[attr-defined]
-        return mesh.size() if mesh is not None else super().get_cp_size()  # type: ignore[misc]
+    def problems(self, settings: DistributedConfig, model_config: Any, world_size: int) -> list[str]:
+        cp = settings.context_parallel
+        if cp == 1:
+            return []
+        # Ring attention runs plain causal attention over the whole sequence: a layer that looks at a
+        # window only would silently be trained with full attention (accelerate refuses it too).
+        layer_types = getattr(model_config, "layer_types", None) or []
+        windowed = sorted({kind for kind in layer_types if kind != "full_attention"})
+        if (
+            not layer_types
+            and getattr(model_config, "sliding_window", None)
+            and getattr(model_config, "use_sliding_window", True)
+        ):
+            windowed = ["sliding_attention"]
+        if windowed:
+            return [
+                f"context_parallel: {cp}: {getattr(model_config, 'model_type', '?')!r} has {', '.join(windowed)} layers; ring "
+                "attention runs full causal attention only, so those layers would train with the wrong mask; use a "
+                "full-attention model (or set its sliding_window: null), or set context_parallel: 1"
+            ]
+        return []
 
-    def _prepare_context_parallel_inputs(self, model: Any, inputs: dict[str, Any]) -> Any:
-        mesh = context_mesh(self.model)  # type: ignore[attr-defined]
+    def planner_degrees(
+        self, shape: ModelShape, *, world: int, gpus_per_node: int, seq_len: int
+    ) -> list[int]:
+        # the load-balanced ring cuts each sequence into 2 x degree chunks
+        return [c for c in divisors(world) if c == 1 or seq_len % (2 * c) == 0]
+
+    def planner_split(self, degree: int, work: Workload) -> MemorySplit:
+        # FSDP2 shards over the data and context ranks together; each holds seq / degree tokens
+        return MemorySplit(states=degree, tokens=degree)
+
+    def used_by(self, layout: Layout) -> bool:
+        return layout.context > 1
+
+    def apply(self, model: nn.Module, state: ParallelState) -> None:
+        assert state.layout is not None
+        state.mesh = prepare_context_parallel(model, state.layout, on_gpu=state.on_gpu, mesh=state.mesh)
+
+    def batch_ranks(self, state: ParallelState) -> int | None:
+        mesh = context_mesh(state.mesh)
+        return mesh.size() if mesh is not None else None
+
+    def split_batch(
+        self, state: ParallelState, inputs: dict[str, Any]
+    ) -> tuple[Callable[..., Any], dict[str, Any]] | None:
+        mesh = context_mesh(state.mesh)
         if mesh is None or not isinstance(inputs, dict):
-            return super()._prepare_context_parallel_inputs(model, inputs)  # type: ignore[misc]
+            return None
         from torch.distributed.tensor.experimental import context_parallel
 
         inputs = sequence_buffers(inputs, mesh.size())
@@ -135,20 +193,15 @@ class ContextParallel:
         )
         return enter, inputs
 
-    def prediction_step(
-        self,
-        model: Any,
-        inputs: dict[str, Any],
-        prediction_loss_only: bool,
-        ignore_keys: list[str] | None = None,
-    ) -> Any:
-        loss, logits, labels = super().prediction_step(  # type: ignore[misc]
-            model, inputs, prediction_loss_only, ignore_keys=ignore_keys
-        )
-        mesh = context_mesh(self.model)  # type: ignore[attr-defined]
-        if mesh is None or loss is None:
-            return loss, logits, labels
-        if not prediction_loss_only:
+    def eval_loss(
+        self, state: ParallelState, loss: torch.Tensor, *, losses_only: bool
+    ) -> torch.Tensor | None:
+        import torch.distributed as dist
+
+        mesh = context_mesh(state.mesh)
+        if mesh is None:
+            return None
+        if not losses_only:
             raise NotImplementedError(
                 "evaluation under context parallelism returns losses only: each rank holds a slice of the logits"
             )
@@ -156,7 +209,10 @@ class ContextParallel:
         # eval gather then takes once per context group (tensor_parallel.gather_once_per_batch_group).
         total = loss.detach().clone()
         dist.all_reduce(total, group=mesh.get_group())
-        return total / mesh.size(), None, None
+        return total / mesh.size()
+
+
+CONTEXT = ContextParallel()
 
 
 # -- the CPU kernel in torch's ring ----------------------------------------------------------------
@@ -169,6 +225,7 @@ def enable_cpu_ring_attention() -> None:
     CUDA kernels only, and a CPU call would fail with "CP only supports flash attention and memory
     efficient attention". The CPU kernel's signature differs from the CUDA flash kernel's, so it gets
     adapters of its own; the ring (rotation, causal load balancing, log-sum-exp merge) is torch's."""
+    import torch
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 
     aten = torch.ops.aten
@@ -180,6 +237,7 @@ def enable_cpu_ring_attention() -> None:
 
 def _cpu_ring_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A sharded CPU attention call -> torch's ring on the local chunks -> sharded results."""
+    import torch
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
 

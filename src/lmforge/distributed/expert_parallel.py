@@ -23,7 +23,8 @@ Two meshes over the same ranks, as transformers builds them (`TransformersDevice
 - expert (efsdp, ep), ep = expert x tensor (transformers counts the ranks of a tensor group in
   the expert group), efsdp = data / expert: the copies of one expert, which FSDP2 shards between
   them. `shard_experts_over_data` wraps each experts module over efsdp *before* its decoder layer
-  is wrapped over dp_shard, so the layer's FSDP2 unit leaves the expert weights alone.
+  is wrapped over dp_shard, so the layer's FSDP2 unit leaves the expert weights alone. Both meshes
+  travel in the `ParallelState` (`mesh`, `experts`) that distributed/parallel.py:parallelize returns.
 
 Gradient scale: each expert's gradient sums the contributions of the `expert` batches of its
 group (the all-to-all's backward brings them all), and FSDP2 reduces it over the `efsdp` copies:
@@ -46,19 +47,28 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from lmforge.distributed.layout import Layout
-from lmforge.distributed.tensor_parallel import DATA_DIM, MESH_ATTRIBUTE, TENSOR_DIM, build_mesh
+from lmforge.distributed.layout import Layout, divisors, expert_count
+from lmforge.distributed.parallel_state import DimensionHooks, ExpertShards, ParallelState
+from lmforge.distributed.plan_terms import MemorySplit
+from lmforge.distributed.tensor_parallel import DATA_DIM, TENSOR_DIM, build_mesh
 
 if TYPE_CHECKING:
+    # Annotations only (the imports a run needs are in its functions): `plan_layout` and the
+    # planner read this dimension's checks before the training stack loads.
+    import torch
+    from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
     from transformers import PreTrainedModel
+
+    from lmforge.config.schema import DistributedConfig
+    from lmforge.distributed.estimate import ModelShape
+    from lmforge.distributed.plan_terms import Workload
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "EXPERT_MESH_ATTRIBUTE",
+    "EXPERT",
+    "ExpertParallel",
     "build_expert_mesh",
     "expert_parallel_plan",
     "expert_parallel_size",
@@ -66,9 +76,6 @@ __all__ = [
     "shard_experts_over_data",
 ]
 
-# The model attribute that carries the expert mesh and the names of the dispatched experts modules
-# from model building to the Trainer's FSDP2 wrapping.
-EXPERT_MESH_ATTRIBUTE = "lmforge_expert_mesh"
 EXPERT_SHARD_DIM, EXPERT_DIM = "efsdp", "ep"
 # The ranks of an expert group hold different batches (tensor = 1): only the all-to-all dispatch
 # is correct there ("all_reduce" needs one shared batch; "auto" would pick all_to_all anyway).
@@ -105,50 +112,56 @@ def expert_parallel_plan(model: PreTrainedModel, layout: Layout) -> dict[str, st
     return plan
 
 
-def shard_experts(model: PreTrainedModel, layout: Layout, *, on_gpu: bool) -> None:
-    """Keep this rank's experts of every MoE layer and route tokens to the others, in place.
+def shard_experts(
+    model: PreTrainedModel, layout: Layout, *, on_gpu: bool, mesh: Any = None
+) -> tuple[Any, ExpertShards] | None:
+    """Keep this rank's experts of every MoE layer and route tokens to the others, in place; the
+    dense mesh (`mesh`, tensor parallelism's, else a new one) and the experts' own, or None.
 
     A no-op unless `layout.expert > 1`. Each rank must hold the same full weights beforehand (same
     seed or same files): the expert weights keep this rank's rows, no data moves. Call it after
     `shard_tensor_parallel` (the dense mesh is shared); `shard_experts_over_data` must then wrap the
     experts before `shard_data_over_mesh` wraps the layers."""
+    import torch
+
     if layout.expert == 1:
-        return
+        return None
     if layout.tensor > 1:  # the combination is in transformers' engine, but unmeasured here
         raise NotImplementedError("expert_parallel with tensor_parallel > 1 has not been measured")
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
-    dense = getattr(model, MESH_ATTRIBUTE, None) or build_mesh(layout, on_gpu=on_gpu)
+    dense = mesh if mesh is not None else build_mesh(layout, on_gpu=on_gpu)
     experts = build_expert_mesh(layout, on_gpu=on_gpu)
     if on_gpu:  # each slice stays on the device its weights are on: this rank's GPU
         model.to(torch.device("cuda", torch.cuda.current_device()))  # type: ignore[arg-type]  # transformers' .to stub
     plan = expert_parallel_plan(model, layout)
     apply_expert_parallelism(model, experts[EXPERT_DIM], dense[TENSOR_DIM], plan, EP_IMPLEMENTATION)
-    setattr(model, MESH_ATTRIBUTE, dense)  # shard_data_over_mesh's cue: FSDP2 over dp_shard
     modules = [name for name, style in plan.items() if style == "ep_dispatch_experts"]
-    setattr(model, EXPERT_MESH_ATTRIBUTE, (experts, modules))
     log.info(
         "expert parallel: %d MoE layers, experts split over %d ranks (%d copies of each)",
         len(modules),
         experts[EXPERT_DIM].size(),
         experts[EXPERT_SHARD_DIM].size(),
     )
+    # The dense mesh is shard_data_over_mesh's cue: FSDP2 over dp_shard.
+    return dense, ExpertShards(experts, modules)
 
 
-def shard_experts_over_data(model: torch.nn.Module, plugin: Any | None = None) -> bool:
-    """FSDP2 for each experts module over its copies (efsdp); True if it applied.
+def shard_experts_over_data(model: torch.nn.Module, state: ParallelState, plugin: Any | None = None) -> bool:
+    """FSDP2 for each experts module over its copies (efsdp); True if it applied (`state` holds
+    expert shards).
 
     Must run before the decoder layers are wrapped over dp_shard (a parameter belongs to the
     innermost FSDP2 unit). `plugin` is accelerate's FSDP plugin, for the mixed precision and
     offload the rest of the model gets (None: FSDP2's defaults)."""
-    found = getattr(model, EXPERT_MESH_ATTRIBUTE, None)
-    if found is None:
+    found, dense = state.experts, state.mesh
+    if found is None or dense is None:
         return False
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    experts_mesh, names = found
-    copies = experts_mesh[EXPERT_SHARD_DIM]
-    data = getattr(model, MESH_ATTRIBUTE)[DATA_DIM].size()
+    names = found.modules
+    copies = found.mesh[EXPERT_SHARD_DIM]
+    data = dense[DATA_DIM].size()
     settings: dict[str, Any] = {
         "mesh": copies,
         "mp_policy": getattr(plugin, "mixed_precision_policy", None) or MixedPrecisionPolicy(),
@@ -163,3 +176,60 @@ def shard_experts_over_data(model: torch.nn.Module, plugin: Any | None = None) -
         if copies.size() > 1:  # no PREMUL_SUM on gloo: sum, then divide locally
             module.set_force_sum_reduction_for_comms(True)
     return True
+
+
+class ExpertParallel(DimensionHooks):
+    """Expert parallelism as a parallel dimension: it splits the experts and records both meshes;
+    the data-shard dimension wraps the experts over their copies, then the layers."""
+
+    name = "expert"
+
+    def problems(self, settings: DistributedConfig, model_config: Any, world_size: int) -> list[str]:
+        ep = settings.expert_parallel
+        if ep == 1:
+            return []
+        experts = expert_count(model_config)
+        if experts is None:
+            return [
+                f"expert_parallel: {ep}: {getattr(model_config, 'model_type', '?')!r} is a dense model (no experts); "
+                "set expert_parallel: 1 or train a Mixture-of-Experts model"
+            ]
+        problems = []
+        if experts % ep:
+            problems.append(
+                f"expert_parallel: {ep} does not divide the model's {experts} experts; choose a divisor of {experts}"
+            )
+        spare = world_size // max(settings.model_parallel_degree, 1)
+        if spare % ep:
+            problems.append(
+                f"expert_parallel: {ep} must divide the data ranks ({spare} of {world_size}): the experts are split "
+                "over ranks that read different batches; launch a multiple of "
+                f"{ep * settings.model_parallel_degree} processes or lower expert_parallel"
+            )
+        if not getattr(model_config, "base_model_ep_plan", None):
+            problems.append(
+                f"expert_parallel: transformers has no expert-parallel plan for {model_config.model_type!r}"
+            )
+        # Experts x tensor / context: config/layout_rules.py refuses them when the config loads.
+        return problems
+
+    def planner_degrees(
+        self, shape: ModelShape, *, world: int, gpus_per_node: int, seq_len: int
+    ) -> list[int]:
+        return divisors(shape.num_experts) if shape.num_experts else [1]
+
+    def planner_split(self, degree: int, work: Workload) -> MemorySplit:
+        return MemorySplit(experts=degree)
+
+    def used_by(self, layout: Layout) -> bool:
+        return layout.expert > 1
+
+    def apply(self, model: nn.Module, state: ParallelState) -> None:
+        assert state.layout is not None
+        hf_model: Any = model
+        found = shard_experts(hf_model, state.layout, on_gpu=state.on_gpu, mesh=state.mesh)
+        if found is not None:
+            state.mesh, state.experts = found
+
+
+EXPERT = ExpertParallel()

@@ -5,7 +5,8 @@ classifies the run as `DistributedType.MULTI_CPU` and only upgrades *GPU-like* d
 to `DistributedType.FSDP` when an FSDP plugin is given. The Trainer still passes the plugin, but
 the state silently drops it, so every rank trains a full DDP replica. `torch.distributed.fsdp.
 fully_shard` itself works on CPU with gloo, so the only thing missing is that state switch.
-`CpuFsdp` applies it right after the Trainer builds its Accelerator; from then on the Trainer and
+The `DataShard` dimension applies it right after the Trainer builds its Accelerator (its `wrap`
+hook, called by the Trainer adapter, train/hf_trainer.py); from then on the Trainer and
 accelerate take their own FSDP2 paths (`fsdp2_prepare_model`, DTensor-aware grad clipping,
 torch-DCP checkpoint save/load), exactly as on CUDA, where the switch does nothing. No sharding
 code lives here.
@@ -15,16 +16,30 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from lmforge.distributed.expert_parallel import shard_experts_over_data
-from lmforge.distributed.pipeline_parallel import PIPELINE_ATTRIBUTE, save_pipeline_model
+from lmforge.distributed.layout import Layout
+from lmforge.distributed.parallel_state import DimensionHooks, ParallelState
+from lmforge.distributed.plan_terms import MemorySplit
 from lmforge.distributed.tensor_parallel import shard_data_over_mesh
 
-__all__ = ["CpuFsdp", "enable_cpu_fsdp", "fsdp_training_arguments", "local_parameter_numel"]
+if TYPE_CHECKING:
+    # Annotations only (the imports a run needs are in its functions): `plan_layout` and the
+    # planner read this dimension's checks before the training stack loads.
+    import torch
+    from torch import nn
+    from transformers import Trainer
+
+    from lmforge.distributed.plan_terms import Workload
+
+__all__ = [
+    "DATA_SHARD",
+    "DataShard",
+    "enable_cpu_fsdp",
+    "fsdp_training_arguments",
+    "local_parameter_numel",
+]
 
 
 def _layer_classes_to_wrap(model: nn.Module) -> list[str]:
@@ -56,7 +71,7 @@ def fsdp_training_arguments(
       `reshard_after_forward`: True = ZeRO-3-like full shard, False = ZeRO-2-like).
     - `state_dict_type="SHARDED_STATE_DICT"`: intermediate checkpoints are torch DCP directories
       written by every rank in parallel (no gather of the full model on rank 0). Plain
-      `Trainer.save_model()` then writes no weights; `CpuFsdp.save_model` gathers and writes the
+      `Trainer.save_model()` then writes no weights; `DataShard.save_model` gathers and writes the
       full HF safetensors model instead.
     - `activation_checkpointing` here (FSDP's own) is preferred over the TrainingArguments
       `gradient_checkpointing`, which adds a redundant all-gather in backward.
@@ -104,22 +119,26 @@ def enable_cpu_fsdp(accelerator: Any, fsdp_plugin: Any) -> bool:
     return True
 
 
-class CpuFsdp:
-    """Trainer mixin: real FSDP2 on CPU/gloo (also over the data dimension of a tensor-parallel
-    model's mesh), and a full HF model from `save_model` under FSDP and DeepSpeed (gathered from
-    the shards, without a duplicate of a tied output head).
+class DataShard(DimensionHooks):
+    """The data-shard dimension: real FSDP2 on CPU/gloo (also over the data dimension of a
+    tensor-parallel, context-parallel, expert-parallel or pipeline model's mesh), and a full HF model
+    from `save_model` under FSDP and DeepSpeed (gathered from the shards, without a duplicate of a
+    tied output head).
 
-    Use as `class MyTrainer(CpuFsdp, Trainer)`. The state switch is a no-op unless the run is
-    multi-process CPU and the TrainingArguments request FSDP (`fsdp_plugin_args`); on CUDA
-    accelerate already picks FSDP. The `save_model` fix applies to any FSDP run (see there).
+    In effect in every run: each hook checks the engine the Trainer runs. The state switch is a no-op
+    unless the run is multi-process CPU and the TrainingArguments request FSDP
+    (`fsdp_plugin_args`); on CUDA accelerate already picks FSDP.
     """
 
-    # The dtype final/ is written in (`model.dtype`) whatever the engine trained in; set by lmforge.
-    weights_dtype: torch.dtype | None = None
+    name = "data_shard"
 
-    def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()  # type: ignore[misc]
-        trainer: Any = self  # a mixin: the Trainer attributes exist only on the final class
+    def planner_split(self, degree: int, work: Workload) -> MemorySplit:
+        return MemorySplit(states=degree)
+
+    def used_by(self, layout: Layout) -> bool:
+        return True
+
+    def wrap(self, state: ParallelState, trainer: Trainer) -> None:
         plugin_args = getattr(trainer.args, "fsdp_plugin_args", None)
         if plugin_args is None:
             return
@@ -129,48 +148,40 @@ class CpuFsdp:
         # the same way rather than reaching into the Accelerator's constructor arguments.
         plugin = FullyShardedDataParallelPlugin(**plugin_args)
         if enable_cpu_fsdp(trainer.accelerator, plugin):
-            # Trainer.__init__ calls this method *before* deciding model placement, and every
-            # later FSDP branch (no device move, FSDP2 prepare with the optimizer, DCP checkpoint
+            # Trainer.__init__ calls this hook *before* deciding model placement, and every later
+            # FSDP branch (no device move, FSDP2 prepare with the optimizer, DCP checkpoint
             # save/load, full-state save_model) keys off this flag, so setting it here suffices.
             trainer.is_fsdp_enabled = True
         # A tensor-parallel, expert-parallel or pipeline model gets its FSDP2 over the data dimension
         # of its own mesh here, with this plugin's settings (the experts first: a parameter belongs
         # to its innermost FSDP2 unit); accelerate's prepare() then finds it already wrapped.
-        shard_experts_over_data(trainer.model, getattr(trainer.accelerator.state, "fsdp_plugin", None))
-        shard_data_over_mesh(trainer, _layer_classes_to_wrap(trainer.model))
+        model: Any = trainer.model
+        shard_experts_over_data(model, state, getattr(trainer.accelerator.state, "fsdp_plugin", None))
+        shard_data_over_mesh(trainer, state.mesh, _layer_classes_to_wrap(model))
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Like `Trainer.save_model`, but always writes a full HF model when called by the user.
+    def model_checkpointed(self, state: ParallelState, trainer: Trainer, checkpoint: str) -> None:
+        if _sharded(trainer) and trainer.args.should_save:
+            _save_model_description(trainer, Path(checkpoint))
+
+    def save_model(
+        self, state: ParallelState, trainer: Trainer, output_dir: str, dtype: torch.dtype | None
+    ) -> bool:
+        """Always a full HF model, where the Trainer's `save_model` would not write one.
 
         Under FSDP with `SHARDED_STATE_DICT` the Trainer's `save_model` writes *no weights at all*
-        (it leaves that to the DCP checkpoint). Explicit calls (the end-of-training export) must
-        produce `model.safetensors` for `from_pretrained`, so gather the full state dict with
-        accelerate (a collective: every rank must call this) and let rank 0 save it. Checkpoint
-        saves (`_internal_call=True`) keep the Trainer's behaviour: the DCP shards are the
-        resumable state and gathering the full model there would cost a full all-gather per save.
+        (it leaves that to the DCP checkpoint). The end-of-training export must produce
+        `model.safetensors` for `from_pretrained`, so gather the full state dict with accelerate (a
+        collective: every rank must call this) and let rank 0 save it. Checkpoint saves keep the
+        Trainer's behaviour (the adapter does not ask here): the DCP shards are the resumable state
+        and gathering the full model there would cost a full all-gather per save.
         """
-        trainer: Any = self
-        plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
-        sharded = (
-            trainer.is_fsdp_enabled
-            and plugin is not None
-            and "SHARDED_STATE_DICT" in str(plugin.state_dict_type)
-        )
-        if not _internal_call and getattr(trainer.model, PIPELINE_ATTRIBUTE, None) is not None:
-            save_pipeline_model(trainer, output_dir or trainer.args.output_dir, trainer.weights_dtype)
-            return
         # DeepSpeed's gathered state dict also carries the tied head: gather it the same way.
-        if _internal_call or not (sharded or trainer.is_deepspeed_enabled):
-            super().save_model(output_dir, _internal_call=_internal_call)  # type: ignore[misc]
-            if _internal_call and sharded and trainer.args.should_save:
-                _save_model_description(trainer, Path(output_dir or trainer.args.output_dir))
-            return
-        output_dir = output_dir or trainer.args.output_dir
+        if not (_sharded(trainer) or trainer.is_deepspeed_enabled):
+            return False
         engine = trainer.deepspeed if trainer.is_deepspeed_enabled else trainer.model
         state_dict = trainer.accelerator.get_state_dict(
             engine
         )  # a collective; ZeRO-3 returns it on rank 0 only
-        dtype = getattr(trainer, "weights_dtype", None)
         if trainer.is_deepspeed_enabled and dtype is not None:
             state_dict = _in_configured_dtype(
                 trainer.accelerator.unwrap_model(trainer.model), state_dict, dtype
@@ -179,6 +190,18 @@ class CpuFsdp:
             trainer._save(output_dir, state_dict=_without_tied_head(trainer.model, state_dict))
             if dtype is not None:
                 _record_dtype(Path(output_dir), dtype)
+        return True
+
+
+DATA_SHARD = DataShard()
+
+
+def _sharded(trainer: Trainer) -> bool:
+    """FSDP writing sharded (DCP) checkpoints: the Trainer's own save_model writes no weights."""
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    return bool(
+        trainer.is_fsdp_enabled and plugin is not None and "SHARDED_STATE_DICT" in str(plugin.state_dict_type)
+    )
 
 
 def _save_model_description(trainer: Any, checkpoint: Path) -> None:

@@ -14,7 +14,7 @@ its full name (`model.layers.3.mlp...` on whichever rank owns layer 3). That kee
 the HF machinery unchanged: the optimizer sees this stage's parameters, torch DCP checkpoints
 merge the stages' distinct keys into one checkpoint (and reshard it onto another pipeline degree
 on load), and the final model is one safetensors shard per stage under one index. A stage runs
-the HF model's own forward (`_StageForward`): the first stage from input_ids, the others from
+the HF model's own forward (`pipeline_stages.StageForward`): the first stage from input_ids, the others from
 the hidden states they receive (as `inputs_embeds`); only the last stage's head produces logits.
 
 Around the engine, the Trainer path is the one tensor parallelism takes
@@ -23,7 +23,8 @@ Around the engine, the Trainer path is the one tensor parallelism takes
 given to accelerate under the name `tp`, which to accelerate and the HF Trainer means "these
 ranks read one batch": each stage sees the same batch (the first needs its inputs, the last its
 labels) and the token count is counted once per pipeline. What the Trainer cannot know is
-handled in `PipelineStages`: the training step runs the schedule, the gradient norm is taken over
+handled by the `PipelineParallel` dimension, whose hooks the Trainer adapter (train/hf_trainer.py)
+calls: the training step runs the schedule, the gradient norm is taken over
 all stages (clipping by one stage's norm would clip each stage differently), a tied embedding
 (first stage) and output head (last stage) add their gradients, and evaluation runs the
 schedule forward only.
@@ -44,87 +45,43 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
-from lmforge.distributed.layout import Layout
-from lmforge.distributed.ranks import ensure_process_group
-from lmforge.distributed.reshard import save_flat_dcp_optimizer
-from lmforge.distributed.tensor_parallel import DATA_DIM, MESH_ATTRIBUTE, TENSOR_DIM
-from lmforge.models.build import count_parameters
+from lmforge.distributed.layout import Layout, divisors
+from lmforge.distributed.parallel_state import DimensionHooks, ParallelState
+from lmforge.distributed.plan_terms import MemorySplit
+from lmforge.distributed.tensor_parallel import DATA_DIM, TENSOR_DIM
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from collections.abc import Mapping
+
+    # Annotations only (the imports a run needs are in its functions): `plan_layout` and the
+    # planner read this dimension's checks before the training stack loads.
+    import torch
+    from torch import nn
+    from transformers import PreTrainedModel, Trainer
+
+    from lmforge.config.schema import DistributedConfig
+    from lmforge.distributed.estimate import ModelShape
+    from lmforge.distributed.plan_terms import Workload
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "PIPELINE_ATTRIBUTE",
+    "PIPELINE",
     "Pipeline",
-    "PipelineStages",
-    "pipeline_of",
+    "PipelineParallel",
     "save_pipeline_model",
     "schedule_note",
     "split_into_stages",
     "whole_parameter_count",
 ]
 
-PIPELINE_ATTRIBUTE = "lmforge_pipeline"
+# Families whose decoder takes `inputs_embeds` as the hidden states unchanged (no embedding scale
+# or other work between the embedding and the first layer), so a later pipeline stage can resume
+# there (distributed/pipeline_parallel.py).
+STAGEABLE_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
 IGNORE_INDEX = -100
 _CACHED_SCHEDULES = 8  # one per batch shape seen (dynamic padding); the oldest go first
-
-
-class _PassThrough(nn.Module):
-    """Stands in for a module another stage owns: returns its first input unchanged."""
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return args[0] if args else next(iter(kwargs.values()))
-
-
-class _StageLayers(nn.ModuleList):
-    """The decoder's layer list (every index, so every parameter keeps its name). While a stage
-    runs (`active`), the decoder's loop over it gets that stage's layers and a pass-through at
-    every other index: the layer numbers the loop counts (a Qwen2 layer's attention type) hold,
-    and a rank holding two stages (interleaved 1F1B) runs one at a time."""
-
-    active: range | None = None
-
-    def __getitem__(self, index: Any) -> Any:
-        found = super().__getitem__(index)
-        if not isinstance(index, slice) or self.active is None:
-            return found
-        first = range(len(self))[index].start if len(self) else 0
-        return [layer if first + i in self.active else _SKIP for i, layer in enumerate(found)]
-
-
-_SKIP = _PassThrough()
-
-
-class _StageForward(nn.Module):
-    """The module torch's PipelineStage runs: the HF model's own forward on one stage's part.
-
-    Calling the whole model (not its submodules) keeps FSDP2's root hooks and the model's mask
-    and rotary-position code; `_StageLayers` limits the loop to this stage's layers. On every stage
-    but the last, the "logits" are the hidden states: norm and head are pass-throughs there."""
-
-    def __init__(self, model: nn.Module, *, index: int, total: int, layers: range) -> None:
-        super().__init__()
-        self.model, self.index, self.total, self.layers = model, index, total, layers
-
-    def forward(self, hidden: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        inputs = {"input_ids": hidden} if self.index == 0 else {"inputs_embeds": hidden}
-        model: Any = self.model
-        base = getattr(model, model.base_model_prefix)
-        held = base.norm, model.lm_head
-        base.layers.active = self.layers
-        if self.index != self.total - 1:  # the last rank's earlier stage (interleaved): no head yet
-            base.norm, model.lm_head = _SKIP, _SKIP
-        try:
-            return model(**inputs, **kwargs, use_cache=False).logits
-        finally:
-            base.layers.active = None
-            base.norm, model.lm_head = held
 
 
 @dataclass
@@ -169,6 +126,8 @@ class Pipeline:
         """The schedule for batches of `shape` (each stage's receive buffers are sized by it)."""
         from torch.distributed.pipelining import PipelineStage
 
+        from lmforge.distributed.pipeline_stages import StageForward
+
         chunks = min(self.microbatches, shape[0])
         key = (shape, training)
         if key not in self._schedules:
@@ -177,9 +136,7 @@ class Pipeline:
             layers = len(getattr(hf_model, hf_model.base_model_prefix).layers)
             stages = [
                 PipelineStage(
-                    _StageForward(
-                        model, index=index, total=total, layers=_stage_layers(index, total, layers)
-                    ),
+                    StageForward(model, index=index, total=total, layers=_stage_layers(index, total, layers)),
                     index,
                     total,
                     self.device,
@@ -201,6 +158,9 @@ class Pipeline:
     def run(self, model: nn.Module, inputs: dict[str, Any], *, training: bool) -> torch.Tensor:
         """One batch through the schedule (forward and backward, or forward only); every stage
         returns the batch's loss, which only the last stage computes."""
+        import torch
+        import torch.distributed as dist
+
         ids, labels = inputs["input_ids"], inputs["labels"]
         extra = {
             key: inputs[key] for key in ("attention_mask", "position_ids") if inputs.get(key) is not None
@@ -223,6 +183,8 @@ class Pipeline:
     def add_tied_gradients(self, model: nn.Module) -> None:
         """The tied embedding is a copy on the first stage (input side) and the last (head): add
         the two gradients, so both copies take the same update and stay one weight."""
+        import torch.distributed as dist
+
         if self.tied_group is None or not (self.first or self.last):
             return
         grad = model.get_parameter(self.tied_name).grad  # type: ignore[arg-type]
@@ -232,6 +194,8 @@ class Pipeline:
 
     def grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """The gradient norm over every stage (a tied weight counted once), clipped by it."""
+        import torch
+        import torch.distributed as dist
         from torch.distributed.tensor import DTensor
         from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
@@ -256,13 +220,19 @@ class Pipeline:
 
 def split_into_stages(
     model: PreTrainedModel, layout: Layout, *, on_gpu: bool, schedule: str, microbatches: int
-) -> None:
+) -> tuple[Any, Pipeline] | None:
     """Keep this rank's stage of `model` (a no-op unless `layout.pipeline > 1`): the decoder layers
-    of its stage, the embedding on the first stage, the final norm and head on the last.
+    of its stage, the embedding on the first stage, the final norm and head on the last; the
+    (dp_shard, stage) mesh and this rank's `Pipeline`, or None.
 
     Each rank must have built the same full model beforehand (same seed or files)."""
+    import torch
+
+    from lmforge.distributed.ranks import ensure_process_group
+    from lmforge.models.build import count_parameters
+
     if layout.pipeline == 1:
-        return
+        return None
     from torch.distributed.device_mesh import init_device_mesh
 
     ensure_process_group()
@@ -292,8 +262,6 @@ def split_into_stages(
         tied_group=_tied_groups(mesh) if tied_name else None,
         whole_parameters=whole,
     )
-    setattr(model, MESH_ATTRIBUTE, mesh)
-    setattr(model, PIPELINE_ATTRIBUTE, pipeline)
     owned = sum(p.numel() for p in model.parameters())
     log.info(
         "pipeline parallel: rank %d of %d in its pipeline (%d stage(s) each) holds %s parameter elements",
@@ -302,6 +270,7 @@ def split_into_stages(
         per_rank,
         f"{owned:,}",
     )
+    return mesh, pipeline
 
 
 def _stage_layers(index: int, total: int, layers: int) -> range:
@@ -347,22 +316,24 @@ def schedule_note(schedule: str, kind: Any, *, rows: int, chunks: int, ranks: in
 
 def _cut_stage(model: PreTrainedModel, stage: int, stages: int, per_rank: int) -> str | None:
     """Replace what this rank's stages do not own by pass-throughs; the tied embedding's name."""
+    from lmforge.distributed.pipeline_stages import PassThrough, StageLayers
+
     base: Any = getattr(model, model.base_model_prefix)
     total = stages * per_rank
     owned = {
         i for index in range(stage, total, stages) for i in _stage_layers(index, total, len(base.layers))
     }
-    base.layers = _StageLayers(
-        layer if index in owned else _PassThrough() for index, layer in enumerate(base.layers)
+    base.layers = StageLayers(
+        layer if index in owned else PassThrough() for index, layer in enumerate(base.layers)
     )
     first, last = stage == 0, stage == stages - 1
     tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
     embedding_name = _module_name(model, model.get_input_embeddings()) + ".weight"
     if not first and not (tied and last):  # the last stage keeps a tied embedding: it is the head
-        base.embed_tokens = _PassThrough()
+        base.embed_tokens = PassThrough()
     if not last:
-        base.norm = _PassThrough()
-        model.lm_head = _PassThrough()
+        base.norm = PassThrough()
+        model.lm_head = PassThrough()
         # transformers re-ties lm_head to the embedding on load; only the last stage has a head.
         model.all_tied_weights_keys = {}
     return embedding_name if tied else None
@@ -375,6 +346,8 @@ def _module_name(model: nn.Module, module: nn.Module) -> str:
 def _tied_groups(mesh: Any) -> Any:
     """The (first stage, last stage) group of each pipeline; every rank creates every group
     (a collective), and keeps its own pipeline's."""
+    import torch.distributed as dist
+
     rows = mesh.mesh.tolist()
     mine = None
     for row in rows:
@@ -384,81 +357,149 @@ def _tied_groups(mesh: Any) -> Any:
     return mine
 
 
-def pipeline_of(model: Any) -> Pipeline | None:
-    return getattr(model, PIPELINE_ATTRIBUTE, None)
+def whole_parameter_count(model: nn.Module, pipeline: Pipeline | None) -> int:
+    """The model's distinct parameters (tied weights once), all stages of `pipeline` included."""
+    from lmforge.models.build import count_parameters
 
-
-def whole_parameter_count(model: nn.Module) -> int:
-    """The model's distinct parameters (tied weights once), all stages of a pipeline included."""
-    pipeline = pipeline_of(model)
     if pipeline is not None:
         return pipeline.whole_parameters
     return count_parameters(model)
 
 
-class PipelineStages:
-    """Trainer mixin: the training step, evaluation and gradient norm of a pipeline-parallel
-    model; everything else is the Trainer's FSDP2 path. Sits right before `Trainer` in the MRO,
-    so lmforge's own step hooks (token counts, drills) wrap it."""
+class PipelineParallel(DimensionHooks):
+    """Pipeline parallelism as a parallel dimension: the training step, evaluation, gradient norm,
+    checkpointed optimizer and final model of a pipeline-parallel model; everything else is the
+    Trainer's FSDP2 path. The adapter runs lmforge's own step (token counts, drills) around it."""
 
-    def training_step(
-        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None
-    ) -> torch.Tensor:
-        trainer: Any = self
-        pipeline = pipeline_of(trainer.model)
-        if pipeline is None:
-            return super().training_step(model, inputs, num_items_in_batch)  # type: ignore[misc]
-        model.train()
-        inputs = trainer._prepare_inputs(inputs)
-        pipeline.normalizer = _step_normalizer(trainer, inputs, num_items_in_batch)
-        loss = pipeline.run(model, inputs, training=True)
-        if trainer.accelerator.sync_gradients:  # the step's last micro-batch: gradients are whole
-            pipeline.add_tied_gradients(trainer.model)
-        return loss
+    name = "pipeline"
 
-    def prediction_step(
+    def problems(self, settings: DistributedConfig, model_config: Any, world_size: int) -> list[str]:
+        pp = settings.pipeline_parallel
+        if pp == 1:
+            return []
+        layers = getattr(model_config, "num_hidden_layers", None)
+        model_type = getattr(model_config, "model_type", "?")
+        problems = []
+        if not getattr(model_config, "base_model_pp_plan", None):
+            problems.append(
+                f"pipeline_parallel: {pp}: transformers has no pipeline plan (pp_plan) for {model_type!r}"
+            )
+        stages = pp * (2 if settings.pipeline_schedule == "interleaved_1f1b" else 1)
+        if isinstance(layers, int) and layers % stages:
+            problems.append(
+                f"pipeline_parallel: {pp} with schedule {settings.pipeline_schedule} makes {stages} stages, which do "
+                f"not divide the model's {layers} layers; choose a degree whose stage count divides {layers}"
+            )
+        if model_type not in STAGEABLE_FAMILIES:
+            problems.append(
+                f"pipeline_parallel: {model_type!r} is not a family whose stages lmforge cuts (a later stage resumes "
+                f"from the hidden states, which {sorted(STAGEABLE_FAMILIES)} take unchanged); use one of those, or "
+                "distributed.strategy: fsdp with tensor_parallel"
+            )
+        # Pipeline x tensor / context / expert: config/layout_rules.py refuses them when the config loads.
+        return problems
+
+    def planner_degrees(
+        self, shape: ModelShape, *, world: int, gpus_per_node: int, seq_len: int
+    ) -> list[int]:
+        return [p for p in divisors(world) if shape.num_layers % p == 0]
+
+    def planner_refusal(self, shape: ModelShape, degrees: Mapping[str, int]) -> str | None:
+        if degrees.get(self.name, 1) > 1 and shape.model_type and shape.model_type not in STAGEABLE_FAMILIES:
+            return f"pipeline stages are cut for {', '.join(sorted(STAGEABLE_FAMILIES))} only"
+        return None
+
+    def planner_split(self, degree: int, work: Workload) -> MemorySplit:
+        if degree == 1:
+            return MemorySplit()
+        # Each micro-batch is cut into m chunks; 1F1B keeps min(p, m) of them in flight on the
+        # first stage, GPipe all m. Bubble: (p - 1) / (v m + p - 1), v = 2 under interleaved 1F1B.
+        chunks = work.pipeline_microbatches or degree
+        held = chunks if work.gpipe else min(degree, chunks)
+        virtual = 2 if work.interleaved else 1
+        bubble = (degree - 1) / (virtual * chunks + degree - 1)
+        return MemorySplit(layers=degree, chunks=chunks, chunks_held=held, bubble=bubble)
+
+    def used_by(self, layout: Layout) -> bool:
+        return layout.pipeline > 1
+
+    def apply(self, model: nn.Module, state: ParallelState) -> None:
+        assert state.layout is not None
+        hf_model: Any = model
+        found = split_into_stages(
+            hf_model,
+            state.layout,
+            on_gpu=state.on_gpu,
+            schedule=state.pipeline_schedule,
+            microbatches=state.pipeline_microbatches,
+        )
+        if found is not None:
+            state.mesh, state.pipeline = found
+
+    def run_batch(
         self,
+        state: ParallelState,
+        trainer: Trainer,
         model: nn.Module,
         inputs: dict[str, Any],
-        prediction_loss_only: bool,
-        ignore_keys: list[str] | None = None,
-    ) -> Any:
-        trainer: Any = self
-        pipeline = pipeline_of(trainer.model)
-        if pipeline is None:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)  # type: ignore[misc]
-        inputs = trainer._prepare_inputs(inputs)
-        pipeline.normalizer = float(_label_tokens(inputs["labels"]))  # this batch's mean, as HF's eval
-        with torch.no_grad():
-            loss = pipeline.run(model, inputs, training=False)
-        return loss, None, None
+        num_items: Any,
+        *,
+        training: bool,
+    ) -> torch.Tensor | None:
+        import torch
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        trainer: Any = self
-        if pipeline_of(trainer.model) is None:
-            super()._save_optimizer_and_scheduler(output_dir)  # type: ignore[misc]
-            return
+        pipeline: Pipeline | None = state.pipeline
+        if pipeline is None:
+            return None
+        inputs = trainer._prepare_inputs(inputs)
+        if not training:
+            pipeline.normalizer = float(_label_tokens(inputs["labels"]))  # this batch's mean, as HF's eval
+            with torch.no_grad():
+                return pipeline.run(model, inputs, training=False)
+        model.train()
+        pipeline.normalizer = _step_normalizer(trainer, inputs, num_items)
+        loss = pipeline.run(model, inputs, training=True)
+        if trainer.accelerator.sync_gradients:  # the step's last micro-batch: gradients are whole
+            whole: Any = trainer.model
+            pipeline.add_tied_gradients(whole)
+        return loss
+
+    def grad_norm(
+        self, state: ParallelState, trainer: Trainer, model: nn.Module, max_norm: float
+    ) -> torch.Tensor | None:
+        pipeline: Pipeline | None = state.pipeline
+        return pipeline.grad_norm(model, max_norm) if pipeline is not None else None
+
+    def save_optimizer(self, state: ParallelState, trainer: Trainer, output_dir: str) -> bool:
+        import torch
+
+        from lmforge.ckpt.reshard_states import save_flat_dcp_optimizer
+
+        if state.pipeline is None:
+            return False
         from accelerate.utils import save_fsdp_model
 
         # The model's DCP shards as the Trainer writes them (the stages' keys are distinct); the
         # optimizer with its group settings keyed by parameter name (save_flat_dcp_optimizer).
-        save_fsdp_model(trainer.accelerator.state.fsdp_plugin, trainer.accelerator, trainer.model, output_dir)
-        save_flat_dcp_optimizer(trainer.model, trainer.optimizer, Path(output_dir))
+        model: Any = trainer.model
+        optimizer: Any = trainer.optimizer
+        schedule: Any = trainer.lr_scheduler
+        save_fsdp_model(trainer.accelerator.state.fsdp_plugin, trainer.accelerator, model, output_dir)
+        save_flat_dcp_optimizer(model, optimizer, Path(output_dir))
         if trainer.args.should_save:
-            torch.save(trainer.lr_scheduler.state_dict(), Path(output_dir) / "scheduler.pt")
+            torch.save(schedule.state_dict(), Path(output_dir) / "scheduler.pt")
+        return True
 
-    def _clip_grad_norm(self, model: nn.Module) -> Any:
-        trainer: Any = self
-        pipeline = pipeline_of(trainer.model)
-        if pipeline is None:
-            return super()._clip_grad_norm(model)  # type: ignore[misc]
-        return pipeline.grad_norm(model, trainer.args.max_grad_norm)
+    def save_model(
+        self, state: ParallelState, trainer: Trainer, output_dir: str, dtype: torch.dtype | None
+    ) -> bool:
+        if state.pipeline is None:
+            return False
+        save_pipeline_model(trainer, state.pipeline, output_dir, dtype)
+        return True
 
-    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
-        pipeline = pipeline_of(getattr(self, "model", None))
-        if pipeline is not None and grad_norm is None:
-            grad_norm = pipeline.grad_norm(model, float("inf"))
-        return super()._get_grad_norm(model, grad_norm=grad_norm)  # type: ignore[misc]
+
+PIPELINE = PipelineParallel()
 
 
 def _saved(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -484,22 +525,24 @@ def _step_normalizer(trainer: Any, inputs: dict[str, Any], num_items_in_batch: A
     return count
 
 
-def save_pipeline_model(trainer: Any, output_dir: str, dtype: torch.dtype | None) -> None:
+def save_pipeline_model(trainer: Any, pipeline: Pipeline, output_dir: str, dtype: torch.dtype | None) -> None:
     """final/ as one safetensors shard per stage under one index, as `save_pretrained` shards a
     large model: each stage writes its own weights (no gather of the whole model on one rank),
     rank 0 the index, config and generation config. A collective: every rank calls it."""
+    import torch
+    import torch.distributed as dist
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from lmforge.distributed.pipeline_stages import PassThrough
+
     model = trainer.model
-    pipeline = pipeline_of(model)
-    assert pipeline is not None
     # Gathered over the data ranks (FSDP2), this stage's weights only.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     if pipeline.tied_name is not None and not pipeline.first:
         state.pop(pipeline.tied_name, None)  # written once, by the first stage
     head = model.get_output_embeddings()
-    if pipeline.tied_name is not None and head is not None and not isinstance(head, _PassThrough):
+    if pipeline.tied_name is not None and head is not None and not isinstance(head, PassThrough):
         state.pop(_module_name(model, head) + ".weight", None)  # from_pretrained ties it back
     tensors = {key: _saved(value, dtype) for key, value in state.items() if isinstance(value, torch.Tensor)}
     name = f"model-{pipeline.stage + 1:05d}-of-{pipeline.stages:05d}.safetensors"

@@ -11,7 +11,9 @@ planner weighs the memory levers that leave the maths alone: the chunked loss
 (train.chunked_cross_entropy), then gradient checkpointing (train.gradient_checkpointing), then both;
 a recommendation names the keys it needs.
 
-Per-device memory of a layout, with d = data, t = tensor, c = context, p = pipeline, e = expert:
+Each dimension's terms are its own (`planner_degrees`, `planner_refusal`, `planner_split` in
+distributed/<dimension>.py, asked through the registry `parallel.DIMENSIONS`); this module
+combines them. Per-device memory of a layout, with d = data, t = tensor, c = context, p = pipeline, e = expert:
 - parameters / gradients / optimizer: the dense weights' slice / (t p) sharded d c ways by FSDP2; the
   experts' slice / (e t p) sharded over the d c / e ranks that hold the same experts (the expert
   data-parallel group, expert_parallel.py's efsdp), so expert parallelism moves expert states
@@ -34,6 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lmforge.config.schema import LmforgeConfig
+from lmforge.distributed import parallel
 from lmforge.distributed.estimate import (
     Estimate,
     ModelShape,
@@ -42,13 +45,12 @@ from lmforge.distributed.estimate import (
     fits_budget,
     logits_bytes,
 )
-from lmforge.distributed.layout import STAGEABLE_FAMILIES
+from lmforge.distributed.plan_terms import Workload, combined_split
 
 __all__ = [
     "LEVERS",
     "LayoutMemory",
     "LayoutPlan",
-    "Workload",
     "overall_recommendation",
     "plan_layouts",
     "plan_layouts_for",
@@ -60,24 +62,6 @@ __all__ = [
 # counted too (DeepSpeed's fp32 figure leaves the partitioned weights out).
 _GRAD_BYTES = 4
 _MASTER_BYTES = {True: 4, False: 0}  # fp32 master copy under mixed precision
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What one device computes per micro-batch, the same under every layout."""
-
-    micro_batch: int
-    seq_len: int
-    pipeline_microbatches: int | None  # chunks each micro-batch is cut into (None: one per stage)
-    mixed: bool
-    optimizer_bytes: float  # the optimizer's state per parameter (AdamW: 8)
-    checkpointing: bool
-    sdpa: bool
-    interleaved: bool = False  # interleaved 1F1B: two virtual stages per rank
-    gpipe: bool = False  # GPipe runs every chunk's forward before any backward
-    chunked_loss: bool = False  # train.chunked_cross_entropy
-    checkpoint_every: int = 1  # train.checkpoint_every: selective checkpointing
-    activation_offload: bool = False  # train.activation_offload: one layer's activations on the device
 
 
 # Memory levers weighed before model parallelism, cheapest first: the chunked loss recomputes only
@@ -169,20 +153,20 @@ def plan_layouts(
     return _recommend(shape, work, rows, budget)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _candidate_degrees(
     shape: ModelShape, world: int, gpus_per_node: int, seq_len: int
 ) -> list[tuple[int, int, int, int]]:
-    heads, kv = shape.num_heads, shape.num_kv_heads or shape.num_heads
-    tensors = [t for t in _divisors(gpus_per_node) if heads % t == 0 and kv % t == 0]
-    if not shape.has_tp_plan:
-        tensors = [1]
-    contexts = [c for c in _divisors(world) if c == 1 or seq_len % (2 * c) == 0]
-    pipelines = [p for p in _divisors(world) if shape.num_layers % p == 0]
-    experts = _divisors(shape.num_experts) if shape.num_experts else [1]
+    """(tensor, context, pipeline, expert) degrees: each dimension's own candidates (its
+    `planner_degrees`), combined where they divide the world."""
+    tried = {
+        dimension.name: dimension.planner_degrees(
+            shape, world=world, gpus_per_node=gpus_per_node, seq_len=seq_len
+        )
+        for dimension in parallel.DIMENSIONS
+    }
+    tensors, contexts, pipelines, experts = (
+        tried[name] for name in ("tensor", "context", "pipeline", "expert")
+    )
     out: list[tuple[int, int, int, int]] = []
     for t in tensors:
         for c in contexts:
@@ -198,18 +182,29 @@ def _layout_memory(
     shape: ModelShape, work: Workload, degrees: tuple[int, int, int, int, int], budget: float | None
 ) -> LayoutMemory:
     data, tensor, context, pipeline, expert = degrees
+    # Each dimension says how it divides the memory at its degree (its `planner_split`).
+    by_name = {
+        "data_shard": data,
+        "tensor": tensor,
+        "context": context,
+        "pipeline": pipeline,
+        "expert": expert,
+    }
+    split = combined_split(
+        [dimension.planner_split(by_name.get(dimension.name, 1), work) for dimension in parallel.DIMENSIONS]
+    )
     w = 2 if work.mixed else 4
     dense = shape.total_params - shape.expert_params
-    shard = data * context  # FSDP2 shards over the data and context ranks together (torchtitan's dp_shard_cp)
-    expert_shard = shard // expert  # efsdp: the ranks holding the same experts shard them
+    shard = split.states  # FSDP2 shards over the data and context ranks together (torchtitan's dp_shard_cp)
+    expert_shard = shard // split.experts  # efsdp: the ranks holding the same experts shard them
     # transformers' expert group takes the tensor ranks too (ep_size = expert x tensor)
-    expert_slice = shape.expert_params / (expert * tensor * pipeline)
-    shard_params = dense / (tensor * pipeline) / shard + expert_slice / expert_shard
-    gathered = _gathered_params(shape, tensor, expert, expert_shard) if shard > 1 else 0
+    expert_slice = shape.expert_params / (split.experts * split.within_layer * split.layers)
+    shard_params = dense / (split.within_layer * split.layers) / shard + expert_slice / expert_shard
+    gathered = _gathered_params(shape, split.within_layer, split.experts, expert_shard) if shard > 1 else 0
     parameters = int(w * shard_params + 4 * gathered)  # the gathered layer in fp32, as the strategy table
     gradients = int(_GRAD_BYTES * shard_params)
     optimizer = int((_MASTER_BYTES[work.mixed] + work.optimizer_bytes) * shard_params)
-    seq = work.seq_len // context
+    seq = work.seq_len // split.tokens
     whole = activation_bytes(
         shape,
         batch=work.micro_batch,
@@ -219,20 +214,17 @@ def _layout_memory(
         sdpa=work.sdpa,
         every=work.checkpoint_every,
         offload=work.activation_offload,
-        tensor=tensor,
+        tensor=split.within_layer,
     )
-    # The pipeline cuts each micro-batch into m chunks; 1F1B keeps min(p, m) of them in flight on
-    # the first stage, GPipe all m.
-    micro_batches = work.pipeline_microbatches or pipeline
-    in_flight = micro_batches if work.gpipe else min(pipeline, micro_batches)
-    activations = int(whole / micro_batches / pipeline * in_flight) if pipeline > 1 else whole
+    # Stages hold their layers' share of the chunks in flight (pipeline_parallel.py's split).
+    held = int(whole / split.chunks / split.layers * split.chunks_held)
+    activations = held if split.layers > 1 else whole
     if work.chunked_loss:
         logits = chunked_logits_bytes(shape, batch=work.micro_batch, seq=seq)
     else:
         logits = logits_bytes(shape, batch=work.micro_batch, seq=seq, weight_bytes=w)
     total = parameters + gradients + optimizer + activations + logits
-    virtual = 2 if work.interleaved else 1
-    bubble = (pipeline - 1) / (virtual * micro_batches + pipeline - 1) if pipeline > 1 else 0.0
+    bubble = split.bubble
     runnable, note = _runs_here(shape, tensor, context, pipeline, expert)
     return LayoutMemory(
         data=data,
@@ -262,9 +254,13 @@ def _gathered_params(shape: ModelShape, tensor: int, expert: int, expert_shard: 
 
 
 def _runs_here(shape: ModelShape, tensor: int, context: int, pipeline: int, expert: int) -> tuple[bool, str]:
-    """Whether lmforge's training step runs this layout (distributed/layout.py refuses the rest)."""
-    if pipeline > 1 and shape.model_type and shape.model_type not in STAGEABLE_FAMILIES:
-        return False, f"pipeline stages are cut for {', '.join(sorted(STAGEABLE_FAMILIES))} only"
+    """Whether lmforge's training step runs this layout (`plan_layout` refuses the rest): each
+    dimension's own refusal (its `planner_refusal`), then the pairs config/layout_rules.py refuses."""
+    degrees = {"tensor": tensor, "context": context, "pipeline": pipeline, "expert": expert}
+    for dimension in parallel.DIMENSIONS:
+        refusal = dimension.planner_refusal(shape, degrees)
+        if refusal is not None:
+            return False, refusal
     if pipeline > 1 and (tensor > 1 or context > 1 or expert > 1):
         return False, "pipeline stages compose with data sharding only"
     if expert > 1 and (tensor > 1 or context > 1):

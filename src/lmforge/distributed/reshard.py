@@ -10,7 +10,7 @@ resume takes one of these paths (`resume_path`):
 |                            |                                   | (`load_whole_model`/`_optimizer`)        |
 | one process or DDP         | DeepSpeed ZeRO-1/2/3, any world   | `deepspeed_universal`: its whole states  |
 |                            | size                              | written as DeepSpeed's universal         |
-|                            |                                   | checkpoint (`whole_to_universal.py`),    |
+|                            |                                   | checkpoint (`ckpt/universal.py`),        |
 |                            |                                   | then `load_universal`                    |
 | the same engine and world  |                                   | `same`                                   |
 | FSDP2 (torch DCP)          | FSDP2, another world size         | `dcp_reshard`: accelerate's DCP load;    |
@@ -23,7 +23,10 @@ resume takes one of these paths (`resume_path`):
 |                            |                                   | `ds_to_universal`, then `load_universal` |
 | anything else              | (another engine or ZeRO stage)    | refused: consolidate, start a new run    |
 
-`ReshardResume` (a Trainer mixin) does the loading. Every read here runs inside
+The resume functions at the bottom (`resumed_from`, `load_resumed_model`, `load_resumed_optimizer`,
+`load_stand_in_rng`), which the Trainer adapter (train/hf_trainer.py) calls from HF's resume
+hooks, do the loading, through the readers and writers in
+`ckpt/reshard_states.py` and `ckpt/universal.py`. Every read runs inside
 `ckpt/safe_load.py:no_code_from_checkpoints` (train/runner.py holds it for the whole run): DCP
 metadata goes through lmforge's allow-list and every `torch.load`, `ds_to_universal`'s included,
 is weights-only.
@@ -31,36 +34,41 @@ is weights-only.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import io
 import json
 import logging
-import os
-import random
-import re
 import shutil
-import time
-import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
 import torch
 
+from lmforge.ckpt.reshard_states import (
+    DCP_OPTIMIZER_DIR,
+    dcp_optimizer_is_flat,
+    has_whole_states,
+    is_dcp_checkpoint,
+    load_dcp_model,
+    load_dcp_optimizer,
+    load_whole_model,
+    load_whole_optimizer,
+    restore_rng,
+    rng_stand_in,
+)
+from lmforge.ckpt.universal import convert_to_universal, is_zero_checkpoint, universal_dir
+from lmforge.ckpt.whole_to_universal import optimizer_group_names
 from lmforge.distributed.deepspeed_config import zero_stage_of
 from lmforge.distributed.ranks import wait_for_everyone
-from lmforge.distributed.whole_to_universal import optimizer_group_names, whole_weights
 from lmforge.errors import UserInputError
+
+if TYPE_CHECKING:
+    from transformers import Trainer
 
 log = logging.getLogger(__name__)
 
 WRITER_FILE = "lmforge_writer.json"
-# accelerate's FSDP checkpoint directories (FSDP_MODEL_NAME / OPTIMIZER_NAME, index 0), torch DCP each.
-DCP_MODEL_DIR = "pytorch_model_fsdp_0"
-DCP_OPTIMIZER_DIR = "optimizer_0"
-_RNG_FILE = re.compile(r"^rng_state(?:_(\d+))?\.pth$")
 
 ResumeKind = Literal["whole", "same", "dcp_reshard", "dcp_to_plain", "deepspeed_universal"]
 _HOW = {
@@ -171,99 +179,12 @@ def engine_words(summary: dict[str, Any]) -> str:
 
 def load_universal(deepspeed: dict[str, Any]) -> None:
     """Make a DeepSpeed config load universal checkpoints: every checkpoint the launch resumes,
-    rollbacks included, then goes through `convert_to_universal` (`ReshardResume.train`)."""
+    rollbacks included, then goes through `convert_to_universal` (`resumed_from`)."""
     deepspeed["checkpoint"] = {**deepspeed.get("checkpoint", {}), "load_universal": True}
 
 
 def loads_universal(deepspeed: Any) -> bool:
     return isinstance(deepspeed, dict) and bool(deepspeed.get("checkpoint", {}).get("load_universal"))
-
-
-def universal_dir(checkpoint: Path, staging: Path) -> Path:
-    """Where the universal form of `checkpoint` goes: in the run being trained, never in the run
-    resumed from (it may be another run's, or read-only). `staging` is the run's checkpoints/.staging
-    (HF's output_dir): removed with the run's partial writes (`clear_partial_writes`) should a launch
-    die before removing it, and under a name (step-N.universal) that no tool takes for a checkpoint."""
-    return staging / f"{checkpoint.name}.universal"
-
-
-def is_zero_checkpoint(checkpoint: Path) -> bool:
-    """Whether DeepSpeed wrote `checkpoint` (its global_step*/ directories); a ZeRO-3 checkpoint holds
-    a gathered model.safetensors too, so `has_whole_states` alone does not tell."""
-    return any(p.is_dir() for p in checkpoint.glob("global_step*"))
-
-
-def convert_to_universal(
-    checkpoint: Path, target: Path, *, whole_groups: list[list[str]] | None = None, zero_stage: int = 0
-) -> Path:
-    """Write the universal form of `checkpoint` at `target`, atomically, with the files HF Trainer
-    reads on a resume; one process does it. A ZeRO checkpoint goes through DeepSpeed's
-    `ds_to_universal` (whole fp32 weights and optimizer moments per parameter, whatever the world
-    size that wrote them); the whole states of one process or DDP (`whole_groups`: this run's
-    optimizer groups by parameter name) are written in that layout directly."""
-    from deepspeed.checkpoint import ds_to_universal
-
-    from lmforge.distributed.whole_to_universal import write_universal_from_whole
-
-    tags = sorted(p for p in checkpoint.glob("global_step*") if p.is_dir())
-    if not tags and whole_groups is None:
-        raise UserInputError(f"train.resume: {checkpoint} holds no DeepSpeed global_step* directory")
-    partial = target.with_name(f".{target.name}.partial")
-    started = time.perf_counter()
-    try:
-        shutil.rmtree(partial, ignore_errors=True)
-        if whole_groups is not None:
-            write_universal_from_whole(checkpoint, partial, group_names=whole_groups, zero_stage=zero_stage)
-        else:
-            printed = io.StringIO()  # DeepSpeed's progress prints: train.log gets them, the console one line
-            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
-                ds_to_universal.main(_universal_arguments(tags[-1], partial / tags[-1].name))
-            log.debug("ds_to_universal:\n%s", printed.getvalue())
-        _link_trainer_files(checkpoint, partial)
-        shutil.rmtree(target, ignore_errors=True)  # left by a launch killed before it removed it
-        os.rename(partial, target)
-    except OSError as err:
-        raise UserInputError(
-            f"train.resume: could not write the universal form of {checkpoint} into {target.parent} ({err}); "
-            "free space there (run.output_dir) or resume under distributed.strategy=fsdp or ddp"
-        ) from err
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)  # a refused or failed conversion leaves nothing
-    log.info(
-        "converted %s checkpoint %s to a universal checkpoint at %s (%.1f s); it is removed when this launch ends",
-        "DeepSpeed" if whole_groups is None else "whole-state",
-        checkpoint,
-        target,
-        time.perf_counter() - started,
-    )
-    return target
-
-
-def _link_trainer_files(checkpoint: Path, target: Path) -> None:
-    """What HF Trainer (and a TRL trainer) reads besides the engine's files: trainer state, scheduler,
-    RNG states. Hard links where the file system allows (the copy sits next to the original)."""
-    for source in checkpoint.iterdir():
-        if not source.is_file() or source.name == "latest":  # DeepSpeed's tag pointer: not universal
-            continue
-        try:
-            os.link(source, target / source.name)
-        except OSError:
-            shutil.copy2(source, target / source.name)
-
-
-def _universal_arguments(source: Path, output: Path) -> argparse.Namespace:
-    """`ds_to_universal`'s command line (its `parse_arguments`): every option, with these values."""
-    return argparse.Namespace(
-        input_folder=str(source),
-        output_folder=str(output),
-        num_extract_workers=1,  # in this process: its loads stay under lmforge's weights-only guard
-        num_merge_workers=1,
-        keep_temp_folder=False,
-        strict=True,
-        # HF Trainer's DeepSpeed checkpoints carry no universal_checkpoint_info (Megatron-DeepSpeed
-        # writes it); data-parallel ZeRO checkpoints need nothing in it but its version.
-        inject_missing_state=True,
-    )
 
 
 def separate_step_counters(zero_optimizer: Any) -> int:
@@ -312,278 +233,102 @@ def restore_group_settings(zero_optimizer: Any, universal: Path) -> int:
     return len(saved)
 
 
-# ---- torch DCP (FSDP2) into a plain model and optimizer ----
+# ---- the resume, as HF Trainer's hooks reach it (train/hf_trainer.py calls these) ----
 
 
-def is_dcp_checkpoint(checkpoint: Path) -> bool:
-    return (checkpoint / DCP_MODEL_DIR / ".metadata").is_file()
+@contextlib.contextmanager
+def resumed_from(trainer: Trainer, checkpoint: str | None) -> Iterator[str | None]:
+    """The checkpoint HF should resume from (`Trainer.train`'s argument).
 
-
-def load_dcp_model(model: torch.nn.Module, checkpoint: Path) -> None:
-    """The FSDP2 checkpoint's model state into a plain (unsharded) `model`: DCP reads each whole
-    tensor from the shards its metadata locates."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    # accelerate saved {"model": <state dict by parameter name>}; the template says what to read.
-    state = {"model": get_model_state_dict(model)}
-    _load_in_this_process(state, checkpoint / DCP_MODEL_DIR)
-    set_model_state_dict(model, state["model"])
-
-
-def load_dcp_optimizer(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path, *, collective: bool = False
-) -> None:
-    """The FSDP2 checkpoint's optimizer state (moments, step counts, group settings) into the
-    `optimizer` of `model`: the plain one of a single process or DDP replica, or (`collective`,
-    every rank calls it) this rank's shard. DCP keys each state by parameter name, not position,
-    so it lands on the same parameter whatever order this optimizer holds them in; a flattened
-    checkpoint (`save_flat_dcp_optimizer`) keys the group settings by parameter name too."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    directory = checkpoint / DCP_OPTIMIZER_DIR
-    options = StateDictOptions(flatten_optimizer_state_dict=dcp_optimizer_is_flat(directory))
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
-    # The template creates the empty moments to fill.
-    state = {"optimizer": get_optimizer_state_dict(model, inner, options=options)}
-    if collective:
-        dcp.load(state, checkpoint_id=str(directory))
-    else:
-        _load_in_this_process(state, directory)
-    set_optimizer_state_dict(model, inner, state["optimizer"], options=options)
-
-
-def save_flat_dcp_optimizer(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path
-) -> None:
-    """The optimizer as a torch DCP checkpoint where the group settings (lr, betas, ...) are keyed
-    by parameter name like the moments. accelerate's format keeps one list of groups, which DCP
-    takes from a single rank: right when every rank holds a shard of every parameter (FSDP2), but
-    ranks that hold different parameters (pipeline stages) would each lose theirs (measured: a
-    resume failed with KeyError 'betas'). A collective: every rank calls it."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    inner = getattr(optimizer, "optimizer", optimizer)
-    options = StateDictOptions(flatten_optimizer_state_dict=True)
-    state = {"optimizer": get_optimizer_state_dict(model, inner, options=options)}
-    dcp.save(state, checkpoint_id=str(checkpoint / DCP_OPTIMIZER_DIR))
-
-
-def dcp_optimizer_is_flat(directory: Path) -> bool:
-    """Whether a DCP optimizer checkpoint keys its group settings by parameter name (flattened)
-    rather than by group position ("optimizer.param_groups.0.lr")."""
-    import torch.distributed.checkpoint as dcp
-
-    keys = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    prefix = "optimizer.param_groups."
-    return any(key.startswith(prefix) and not key[len(prefix) :].split(".")[0].isdigit() for key in keys)
-
-
-def _load_in_this_process(state: dict[str, Any], directory: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    # Each process reads the whole state (one process, or each DDP replica): no collective, even
-    # where a process group exists. DCP warns about that intent where there is none.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(state, checkpoint_id=str(directory), no_dist=True)
-
-
-# ---- whole states (one process, DDP) into sharded parameters (FSDP2, FSDP2 + TP) ----
-
-_WHOLE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
-
-
-def has_whole_states(checkpoint: Path) -> bool:
-    """Whether `checkpoint` holds a whole model and optimizer as HF writes them in one process or
-    a DDP replica (model.safetensors, optimizer.pt), rather than torch DCP shards."""
-    return not is_dcp_checkpoint(checkpoint) and any((checkpoint / name).is_file() for name in _WHOLE_WEIGHTS)
-
-
-def load_whole_model(model: torch.nn.Module, checkpoint: Path) -> None:
-    """A whole model's weights into `model`, whose parameters are sharded DTensors (FSDP2, on a 1-D
-    or a 2-D tensor-parallel mesh): every rank reads the file and keeps its own shard (torch's
-    `set_model_state_dict` with full state dicts distributes each tensor to the parameter's mesh and
-    placements). A tied output head is absent from the file; it is the embedding's parameter."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    weights = whole_weights(checkpoint)
-    expected = {name for name, _ in model.named_parameters()} | {name for name, _ in model.named_buffers()}
-    missing = sorted({name for name, _ in model.named_parameters()} - set(weights))
-    if missing:
-        raise UserInputError(
-            f"train.resume: {checkpoint} holds no weights for {', '.join(missing[:5])}: it was written for "
-            "another model; resume it with the model config that wrote it"
+    Where the DeepSpeed config loads universal checkpoints, rank 0 converts the checkpoint first
+    (a ZeRO one with `ds_to_universal`, whole states with `whole_to_universal`; the others wait)
+    into this run's checkpoints/.staging, and HF resumes from the converted directory, removed
+    afterwards; a rollback in the same launch passes here too. Otherwise `checkpoint` itself."""
+    deepspeed: Any = trainer.args.deepspeed  # the config as a dict once the Trainer has read it
+    if checkpoint is None or not loads_universal(deepspeed):
+        yield checkpoint
+        return
+    source = Path(checkpoint)
+    target = universal_dir(source, Path(str(trainer.args.output_dir)))
+    if trainer.is_world_process_zero():
+        whole = not is_zero_checkpoint(source) and has_whole_states(source)
+        convert_to_universal(
+            source,
+            target,
+            whole_groups=optimizer_group_names(trainer) if whole else None,
+            zero_stage=zero_stage_of(deepspeed),
         )
-    state: dict[str, Any] = {key: value for key, value in weights.items() if key in expected}
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    wait_for_everyone()
+    try:
+        yield str(target)
+    finally:
+        if trainer.is_world_process_zero():  # derived data: the next launch that needs it converts again
+            shutil.rmtree(target, ignore_errors=True)
 
 
-def load_whole_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
-    """A whole optimizer state (HF's optimizer.pt of one process: moments keyed by position in the
-    parameter groups) into the `optimizer` of the sharded `model`. Both optimizers were built the
-    same way from the same model (HF's decay / no-decay groups in parameter order), so position i
-    of group g is the same parameter; torch's `set_optimizer_state_dict` then keys by parameter name
-    and keeps each rank's shard of every moment."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+def load_resumed_model(trainer: Trainer, checkpoint: str, model: torch.nn.Module | None) -> bool:
+    """Load a checkpoint's model where HF cannot (`_load_from_checkpoint`); False leaves it to HF.
 
-    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
-    saved = torch.load(checkpoint / "optimizer.pt", map_location="cpu", weights_only=True)
-    names = {id(param): name for name, param in model.named_parameters()}
-    shapes = [len(group["params"]) for group in saved["param_groups"]]
-    if shapes != [len(group["params"]) for group in inner.param_groups]:
-        raise UserInputError(
-            f"train.resume: {checkpoint}/optimizer.pt holds parameter groups of {shapes} parameters and this "
-            f"run's optimizer {[len(g['params']) for g in inner.param_groups]}: another model or optimizer "
-            "wrote it; resume it with the config that wrote it"
-        )
-    state: dict[str, Any] = {}
-    groups = []
-    for theirs, ours in zip(saved["param_groups"], inner.param_groups, strict=True):
-        fqns = [names[id(param)] for param in ours["params"]]
-        for index, fqn in zip(theirs["params"], fqns, strict=True):
-            if index in saved["state"]:
-                state[fqn] = saved["state"][index]
-        groups.append({**theirs, "params": fqns})
-    set_optimizer_state_dict(
-        model, inner, {"state": state, "param_groups": groups}, options=StateDictOptions(full_state_dict=True)
-    )
-
-
-# ---- RNG states of another world size ----
-
-
-def rng_stand_in(checkpoint: Path, *, rank: int, world_size: int) -> Path | None:
-    """The RNG file this rank continues from when the checkpoint has none under the name HF looks
-    for (another world size wrote it): rank r takes writer rank r mod N's. None when HF finds its
-    own file, or there is none at all."""
-    own = "rng_state.pth" if world_size == 1 else f"rng_state_{rank}.pth"
-    if (checkpoint / own).is_file():
-        return None
-    found = {}
-    for path in checkpoint.glob("rng_state*.pth"):
-        match = _RNG_FILE.match(path.name)
-        if match:
-            found[int(match.group(1) or 0)] = path
-    if not found:
-        return None
-    ranks = sorted(found)
-    return found[ranks[rank % len(ranks)]]
-
-
-def restore_rng(path: Path, *, distributed: bool) -> None:
-    """Python, numpy, torch CPU (and CUDA) RNG states from an HF `rng_state*.pth`, as HF restores them."""
-    from transformers.trainer_pt_utils import safe_globals, set_rng_state_for_device
-
-    with safe_globals():  # HF's allow-list for numpy's RNG state
-        state = torch.load(path, weights_only=True)
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.random.set_rng_state(state["cpu"])
-    if torch.cuda.is_available() and "cuda" in state:
-        set_rng_state_for_device("CUDA", torch.cuda, state, distributed)
-
-
-class ReshardResume:
-    """Trainer mixin: resumes checkpoints another world size wrote (the module's table).
-
-    - `train`: where the DeepSpeed config loads universal checkpoints, rank 0 converts the
-      checkpoint first (a ZeRO one with `ds_to_universal`, whole states with `whole_to_universal`;
-      the others wait) into this run's checkpoints/.staging and HF resumes from the converted
-      directory; a rollback in the same launch passes here too.
-    - `_load_optimizer_and_scheduler`: also splits the step counters of a ZeRO-3 universal load and
-      gives each parameter group its own settings again.
-    - `_load_from_checkpoint` / `_load_optimizer_and_scheduler`: an FSDP2 checkpoint resumed
-      without FSDP loads into the plain model and optimizer (HF refuses it there).
-    - `_load_rng_state`: a rank with no RNG file of its own continues a writer rank's.
-    """
-
-    def train(
-        self, resume_from_checkpoint: str | None = None, trial: Any = None, ignore_keys_for_eval: Any = None
-    ) -> Any:
-        trainer: Any = self  # a mixin: the Trainer attributes exist only on the final class
-        if resume_from_checkpoint is None or not loads_universal(trainer.args.deepspeed):
-            return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)  # type: ignore[misc]
-        checkpoint = Path(resume_from_checkpoint)
-        target = universal_dir(checkpoint, Path(trainer.args.output_dir))
+    Whole states under FSDP2 (accelerate's FSDP2 load reads torch DCP shards only): each rank keeps
+    its shards. An FSDP2 checkpoint resumed without FSDP: loaded into the plain model (HF refuses)."""
+    source = Path(checkpoint)
+    target: Any = model if model is not None else trainer.model
+    if trainer.is_fsdp_enabled and has_whole_states(source):
         if trainer.is_world_process_zero():
-            whole = not is_zero_checkpoint(checkpoint) and has_whole_states(checkpoint)
-            convert_to_universal(
-                checkpoint,
-                target,
-                whole_groups=optimizer_group_names(trainer) if whole else None,
-                zero_stage=zero_stage_of(trainer.args.deepspeed),
-            )
-        wait_for_everyone()
-        try:
-            return super().train(str(target), trial, ignore_keys_for_eval)  # type: ignore[misc]
-        finally:
-            if trainer.is_world_process_zero():  # derived data: the next launch that needs it converts again
-                shutil.rmtree(target, ignore_errors=True)
+            log.info("resuming the whole model and optimizer of %s: each rank keeps its shards", source)
+        load_whole_model(target, source)
+        return True
+    if trainer.is_fsdp_enabled or not is_dcp_checkpoint(source):
+        return False
+    load_dcp_model(target, source)
+    return True
 
-    def _load_from_checkpoint(
-        self, resume_from_checkpoint: str, model: torch.nn.Module | None = None
-    ) -> None:
-        trainer: Any = self
-        checkpoint = Path(resume_from_checkpoint)
-        if trainer.is_fsdp_enabled and has_whole_states(checkpoint):
-            # accelerate's FSDP2 load reads torch DCP shards only
-            if trainer.is_world_process_zero():
-                log.info(
-                    "resuming the whole model and optimizer of %s: each rank keeps its shards", checkpoint
-                )
-            load_whole_model(model if model is not None else trainer.model, checkpoint)
-            return
-        if trainer.is_fsdp_enabled or not is_dcp_checkpoint(checkpoint):
-            super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
-            return
-        load_dcp_model(model if model is not None else trainer.model, checkpoint)
 
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        trainer: Any = self
-        if (
-            checkpoint is not None
-            and trainer.is_deepspeed_enabled
-            and loads_universal(trainer.args.deepspeed)
-        ):
-            # HF calls this right after DeepSpeed loaded the checkpoint into its engine.
-            separate_step_counters(trainer.model_wrapped.optimizer)
-            if zero_stage_of(trainer.args.deepspeed) == 3:
-                restore_group_settings(trainer.model_wrapped.optimizer, Path(checkpoint))
-        if checkpoint is not None and trainer.is_fsdp_enabled and has_whole_states(Path(checkpoint)):
-            load_whole_optimizer(trainer.model, trainer.optimizer, Path(checkpoint))
-            trainer.lr_scheduler.load_state_dict(
-                torch.load(Path(checkpoint) / "scheduler.pt", weights_only=True)
-            )
-            return
-        plain = not (trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled)
-        # accelerate's FSDP2 load reads group settings by position: a flattened checkpoint (pipeline
-        # stages wrote it) loads here, under FSDP2 too.
-        flat = (
-            checkpoint is not None
-            and trainer.is_fsdp_enabled
-            and is_dcp_checkpoint(Path(checkpoint))
-            and dcp_optimizer_is_flat(Path(checkpoint) / DCP_OPTIMIZER_DIR)
-        )
-        if checkpoint is None or not is_dcp_checkpoint(Path(checkpoint)) or not (plain or flat):
-            super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
-            return
-        load_dcp_optimizer(trainer.model, trainer.optimizer, Path(checkpoint), collective=flat)
-        # Rank 0 saved the schedule as a plain torch file, as under every engine.
-        trainer.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / "scheduler.pt", weights_only=True))
+def load_resumed_optimizer(trainer: Trainer, checkpoint: str | None) -> bool:
+    """Load a checkpoint's optimizer and schedule where HF cannot (`_load_optimizer_and_scheduler`);
+    False leaves it to HF. Also splits the step counters of a ZeRO-3 universal load and gives each
+    parameter group its own settings again (HF calls the hook right after DeepSpeed loaded the
+    checkpoint into its engine)."""
+    deepspeed: Any = trainer.args.deepspeed  # the config as a dict once the Trainer has read it
+    if checkpoint is not None and trainer.is_deepspeed_enabled and loads_universal(deepspeed):
+        engine: Any = trainer.model_wrapped
+        separate_step_counters(engine.optimizer)
+        if zero_stage_of(deepspeed) == 3:
+            restore_group_settings(engine.optimizer, Path(checkpoint))
+    if checkpoint is None:
+        return False
+    source = Path(checkpoint)
+    model: Any = trainer.model
+    optimizer: Any = trainer.optimizer
+    schedule: Any = trainer.lr_scheduler
+    if trainer.is_fsdp_enabled and has_whole_states(source):
+        load_whole_optimizer(model, optimizer, source)
+        schedule.load_state_dict(torch.load(source / "scheduler.pt", weights_only=True))
+        return True
+    plain = not (trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled)
+    # accelerate's FSDP2 load reads group settings by position: a flattened checkpoint (pipeline
+    # stages wrote it) loads here, under FSDP2 too.
+    flat = (
+        trainer.is_fsdp_enabled
+        and is_dcp_checkpoint(source)
+        and dcp_optimizer_is_flat(source / DCP_OPTIMIZER_DIR)
+    )
+    if not is_dcp_checkpoint(source) or not (plain or flat):
+        return False
+    load_dcp_optimizer(model, optimizer, source, collective=flat)
+    # Rank 0 saved the schedule as a plain torch file, as under every engine.
+    schedule.load_state_dict(torch.load(source / "scheduler.pt", weights_only=True))
+    return True
 
-    def _load_rng_state(self, checkpoint: str | None) -> None:
-        trainer: Any = self
-        args = trainer.args
-        stand_in = None
-        if checkpoint is not None:
-            stand_in = rng_stand_in(Path(checkpoint), rank=args.process_index, world_size=args.world_size)
-        if stand_in is None:
-            super()._load_rng_state(checkpoint)  # type: ignore[misc]
-            return
-        restore_rng(stand_in, distributed=args.world_size > 1)
+
+def load_stand_in_rng(trainer: Trainer, checkpoint: str | None) -> bool:
+    """A rank with no RNG file of its own in `checkpoint` (another world size wrote it) continues a
+    writer rank's (`_load_rng_state`); False leaves it to HF."""
+    args = trainer.args
+    if checkpoint is None:
+        return False
+    stand_in = rng_stand_in(Path(checkpoint), rank=args.process_index, world_size=args.world_size)
+    if stand_in is None:
+        return False
+    restore_rng(stand_in, distributed=args.world_size > 1)
+    return True

@@ -20,6 +20,7 @@ import torch
 from lmforge.config import LmforgeConfig
 from lmforge.config.layout_rules import layout_problems, pipeline_microbatches
 from lmforge.config.schema import DistributedConfig, TrainConfig
+from lmforge.config.stages import stage_spec
 from lmforge.distributed.accelerate_launch import (
     accelerate_choice,
     check_all_processes_started,
@@ -37,7 +38,8 @@ from lmforge.distributed.deepspeed_config import (
     resolve_user_config,
     zero_stage_of,
 )
-from lmforge.distributed.layout import Layout, plan_layout
+from lmforge.distributed.layout import Layout
+from lmforge.distributed.parallel import plan_layout
 from lmforge.distributed.ranks import World, current_world
 from lmforge.distributed.reshard import WRITER_FILE as WRITER_FILE
 from lmforge.distributed.reshard import ResumePath, load_universal, read_writer, resume_path
@@ -256,7 +258,7 @@ def _model_parallel_choice(
     passes the same checks for as a configured layout (full fine-tuning; no reference model under TP;
     context and pipeline parallelism for pretrain and sft; sdpa for the ring; the architecture's heads,
     layers and attention windows)."""
-    if cfg.train.method != "full" or cfg.train.stage in ("dpo", "kto", "grpo", "rloo"):
+    if cfg.train.method != "full" or stage_spec(cfg.train.stage).reference != "none":
         return None
     from lmforge.distributed.planner import plan_layouts_for
     from lmforge.models.build import architecture_config

@@ -16,10 +16,11 @@ measured with accelerate 1.15 and transformers 5.23:
 - transformers' own `from_pretrained(distributed_config=DistributedConfig(tp_size=...))` marks
   the model "sharded at load time", and the Trainer then refuses to checkpoint its optimizer.
 
-So: `shard_tensor_parallel` applies the model's tp_plan on the mesh's `tp` dimension right after
-the model is built (every rank builds the same weights from the same seed or files, and each
-keeps its slice). Once the Trainer has its Accelerator, `shard_data_over_mesh` (called by
-`fsdp.CpuFsdp`) wraps the decoder layers and the root with FSDP2 over `dp_shard`, with the FSDP
+So: `shard_tensor_parallel` (the `TensorParallel` dimension's `apply`, run by
+distributed/parallel.py:parallelize) applies the model's tp_plan on the mesh's `tp` dimension right
+after the model is built (every rank builds the same weights from the same seed or files, and each
+keeps its slice); the mesh travels in the `ParallelState`. Once the Trainer has its Accelerator,
+`shard_data_over_mesh` (called by the data-shard dimension, distributed/fsdp.py) wraps the decoder layers and the root with FSDP2 over `dp_shard`, with the FSDP
 plugin's own mixed precision, offload and resharding, and gives accelerate the mesh, from which
 its data loader shards batches over the data dimension only: the ranks of one tensor group read
 the same batch. From there the Trainer takes its FSDP2 path unchanged: DTensor-aware gradient
@@ -33,18 +34,26 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
-from lmforge.distributed.layout import Layout
-from lmforge.distributed.ranks import ensure_process_group
+from lmforge.distributed.layout import Layout, divisors, expert_count
+from lmforge.distributed.parallel_state import DimensionHooks, ParallelState
+from lmforge.distributed.plan_terms import MemorySplit
 
 if TYPE_CHECKING:
+    # Annotations only (the imports a run needs are in its functions): `plan_layout` and the
+    # planner read this dimension's checks before the training stack loads.
+    import torch
+    from torch import nn
     from transformers import PreTrainedModel
+
+    from lmforge.config.schema import DistributedConfig
+    from lmforge.distributed.estimate import ModelShape
+    from lmforge.distributed.plan_terms import Workload
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "TENSOR",
+    "TensorParallel",
     "build_mesh",
     "gather_once_per_batch_group",
     "local_shapes",
@@ -53,8 +62,6 @@ __all__ = [
     "tensor_parallel_plan",
 ]
 
-# The model attribute that carries the mesh from model building to the Trainer's Accelerator.
-MESH_ATTRIBUTE = "lmforge_device_mesh"
 DATA_DIM, CONTEXT_DIM, TENSOR_DIM = "dp_shard", "cp", "tp"
 # FSDP2's dimension under context parallelism: the data and context ranks flattened (torchtitan's
 # name), since the context ranks of one sequence hold different tokens and sum their gradients.
@@ -68,6 +75,8 @@ def build_mesh(layout: Layout, *, on_gpu: bool) -> Any:
     The dimension names are accelerate's: its data loader reads `dp_shard`, `cp` and `tp` off the
     mesh to give the ranks of a tensor or context group the same batch."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    from lmforge.distributed.ranks import ensure_process_group
 
     ensure_process_group()
     dims = {DATA_DIM: layout.data, CONTEXT_DIM: layout.context, TENSOR_DIM: layout.tensor}
@@ -105,13 +114,16 @@ def tensor_parallel_plan(model: PreTrainedModel, degree: int) -> dict[str, str]:
     return {name: style for name, style in plan.items() if name in names}
 
 
-def shard_tensor_parallel(model: PreTrainedModel, layout: Layout, *, on_gpu: bool) -> None:
-    """Split the model's attention heads and MLP columns over the mesh's tensor dimension, in place.
+def shard_tensor_parallel(model: PreTrainedModel, layout: Layout, *, on_gpu: bool) -> Any:
+    """Split the model's attention heads and MLP columns over the mesh's tensor dimension, in place;
+    the (dp_shard[, cp], tp) mesh it built, or None.
 
     A no-op unless `layout.tensor > 1`. Each rank must hold the same full weights beforehand
     (same seed or same files): every parameter keeps this rank's slice, no data moves."""
+    import torch
+
     if layout.tensor == 1:
-        return
+        return None
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     mesh = build_mesh(layout, on_gpu=on_gpu)
@@ -119,12 +131,82 @@ def shard_tensor_parallel(model: PreTrainedModel, layout: Layout, *, on_gpu: boo
         model.to(torch.device("cuda", torch.cuda.current_device()))  # type: ignore[arg-type]  # transformers' .to stub
     apply_tensor_parallelism(model, mesh[TENSOR_DIM], tensor_parallel_plan(model, layout.tensor))
     model.tie_weights()  # the head pointed at the embedding that sharding replaced
-    setattr(model, MESH_ATTRIBUTE, mesh)
     log.info("tensor parallel: %s split over %d ranks per tensor group", type(model).__name__, layout.tensor)
+    return mesh
 
 
-def shard_data_over_mesh(trainer: Any, layer_classes: list[str]) -> bool:
-    """FSDP2 over the data dimension of a tensor-parallel model's mesh; True if it applied.
+class TensorParallel(DimensionHooks):
+    """Tensor parallelism as a parallel dimension: it cuts the model and builds the shared mesh; the
+    data-shard dimension then wraps FSDP2 over that mesh's data dimension, and HF Trainer's
+    FSDP2 path does the rest."""
+
+    name = "tensor"
+
+    def problems(self, settings: DistributedConfig, model_config: Any, world_size: int) -> list[str]:
+        tp = settings.tensor_parallel
+        if tp == 1:
+            return []
+        model_type = getattr(model_config, "model_type", "?")
+        if not getattr(model_config, "base_model_tp_plan", None):
+            return [
+                f"tensor_parallel: {tp}: transformers has no tensor-parallel plan (tp_plan) for {model_type!r}; "
+                "use an architecture that has one (llama, qwen2, mistral, gemma, phi3, mixtral, qwen2_moe, ...) or "
+                "distributed.strategy: fsdp alone"
+            ]
+        problems = []
+        heads = getattr(model_config, "num_attention_heads", None)
+        kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+        counts = {
+            key: n
+            for key, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads))
+            if isinstance(n, int)
+        }
+        broken = [f"{key} ({n})" for key, n in counts.items() if n % tp]
+        if broken:
+            whole_heads = [
+                d for d in range(1, min(counts.values()) + 1) if all(n % d == 0 for n in counts.values())
+            ]
+            problems.append(
+                f"tensor_parallel: {tp} does not divide the model's {' and '.join(broken)}: each rank must hold "
+                f"whole heads; choose tensor_parallel from {whole_heads}"
+            )
+        experts = expert_count(model_config)
+        inner = getattr(model_config, "moe_intermediate_size", None) or getattr(
+            model_config, "intermediate_size", None
+        )
+        if isinstance(inner, int) and inner % tp:
+            problems.append(
+                f"tensor_parallel: {tp} does not divide the MLP width ({inner}, "
+                f"{'moe_intermediate_size' if experts else 'intermediate_size'}); choose a degree that divides it"
+            )
+        return problems
+
+    def planner_degrees(
+        self, shape: ModelShape, *, world: int, gpus_per_node: int, seq_len: int
+    ) -> list[int]:
+        # within one node (two all-reduces a layer want the fastest links), whole heads per rank
+        if not shape.has_tp_plan:
+            return [1]
+        heads, kv = shape.num_heads, shape.num_kv_heads or shape.num_heads
+        return [t for t in divisors(gpus_per_node) if heads % t == 0 and kv % t == 0]
+
+    def planner_split(self, degree: int, work: Workload) -> MemorySplit:
+        return MemorySplit(within_layer=degree)
+
+    def used_by(self, layout: Layout) -> bool:
+        return layout.tensor > 1
+
+    def apply(self, model: nn.Module, state: ParallelState) -> None:
+        assert state.layout is not None
+        hf_model: Any = model
+        state.mesh = shard_tensor_parallel(hf_model, state.layout, on_gpu=state.on_gpu)
+
+
+TENSOR = TensorParallel()
+
+
+def shard_data_over_mesh(trainer: Any, mesh: Any, layer_classes: list[str]) -> bool:
+    """FSDP2 over the data dimension of a tensor-parallel model's `mesh` (None: no-op); True if it applied.
 
     Called once the Trainer's Accelerator exists (its FSDP plugin holds the mixed precision,
     offload and resharding settings, as accelerate would pass them to `fully_shard`). Decoder
@@ -136,7 +218,6 @@ def shard_data_over_mesh(trainer: Any, layer_classes: list[str]) -> bool:
     for a context group, distributed/context_parallel.py); and the Accelerator an eval gather that
     counts each batch once (`gather_once_per_batch_group`)."""
     model, accelerator = trainer.model, trainer.accelerator
-    mesh = getattr(model, MESH_ATTRIBUTE, None)
     if mesh is None:
         return False
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lmforge.config.stages import stage_spec
 from lmforge.errors import UserInputError
 from lmforge.evaluate.harness import require_harness, run_harness_tasks
 from lmforge.evaluate.loading import load_for_inference
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 TEXT_BLOCK_SIZE = 256  # tokens per perplexity block of plain text
-ANSWER_STAGES = ("sft", "dpo", "kto")  # stages whose eval rows carry an answer to score generations on
 QUALITY_LABELS = {
     "bleu": "BLEU",
     "chrf": "chrF",
@@ -106,7 +106,7 @@ def _evaluate_run(request: EvalRequest, summary: dict[str, Any]) -> tuple[Path, 
         )
     model, tokenizer = load_for_inference(final, request.adapter)
     _, _, data = prepare_run_data(cfg, for_training=False)  # eval never batches by micro_batch_size
-    if cfg.train.stage in ANSWER_STAGES and data.eval is not None and len(data.eval) > 0:  # type: ignore[arg-type]
+    if stage_spec(cfg.train.stage).eval_rows_answer and data.eval is not None and len(data.eval) > 0:  # type: ignore[arg-type]
         summary["run_eval_generations"] = _run_eval_generations(model, tokenizer, data.eval, request)
     if data.eval is None or len(data.eval) == 0:  # type: ignore[arg-type]
         note = "the config has no eval data (set data.eval or data.eval_fraction); no run perplexity"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 
-from lmforge.config.stage_guardrails import stage_guardrails
+from lmforge.config.stages import stage_guardrails, stage_spec
 from lmforge.monitor.run_view import (
     DATA_BOUND_SHARE,
     MIN_POINTS,
@@ -61,7 +61,7 @@ def check_loss_trend(run: RunView) -> list[Finding]:
 
 def check_unstable(run: RunView) -> list[Finding]:
     if "spike" not in stage_guardrails(run.cfg.train.stage):
-        return []  # online RL: the policy loss sits near zero and changes sign (config/stage_guardrails.py)
+        return []  # online RL: the policy loss sits near zero and changes sign (config/stages.py)
     losses = [v for _, v in run.losses]
     steps = [s for s, _ in run.losses]
     spikes = [
@@ -136,7 +136,9 @@ def check_data_bound(run: RunView) -> list[Finding]:
     workers = run.cfg.train.dataloader_workers
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
     changes = [f"train.dataloader_workers={max(workers * 2, min(8, max(usable - 1, 1)), 1)}"]
-    if run.cfg.train.stage == "sft" and not (run.cfg.data is not None and run.cfg.data.packing):
+    if stage_spec(run.cfg.train.stage).data_kind == "chat" and not (
+        run.cfg.data is not None and run.cfg.data.packing
+    ):
         changes.append("data.packing=true")
     return [
         Finding(
@@ -235,7 +237,7 @@ def check_slow(run: RunView) -> list[Finding]:
     changes = []
     if train.precision in ("fp32", "auto"):
         changes.append("train.precision=bf16")
-    if train.stage == "sft" and not (data is not None and data.packing):
+    if stage_spec(train.stage).data_kind == "chat" and not (data is not None and data.packing):
         changes.append("data.packing=true")
     if model is not None and model.attn_implementation == "eager":
         changes.append("model.attn_implementation=sdpa")

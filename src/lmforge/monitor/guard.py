@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from lmforge.config.schema import GuardConfig
-from lmforge.config.stage_guardrails import stage_guardrails
+from lmforge.config.stages import stage_guardrails
 
 # alert: the update stands; the event is recorded and sent to the configured alerts (RL signals).
 Action = Literal["apply", "skip", "rollback", "stop", "alert"]
@@ -43,11 +43,26 @@ class LogJudge(Protocol):
 
 
 def stage_guard_settings(cfg: GuardConfig, stage: str) -> GuardConfig:
-    """`cfg` with the rules that do not fit `stage`'s loss switched off (config/stage_guardrails.py):
+    """`cfg` with the rules that do not fit `stage`'s loss switched off (config/stages.py):
     online RL's policy loss sits near zero and changes sign, so the loss-spike rule is off there."""
     if "spike" in stage_guardrails(stage) or cfg.spike == "off":
         return cfg
     return cfg.model_copy(update={"spike": "off"})
+
+
+def settings_for_update_in_backward(cfg: GuardConfig, *, online_rl: bool) -> tuple[GuardConfig, list[str]]:
+    """`cfg` for an engine that applies each update inside backward (DeepSpeed), before the guard
+    sees the step's gradient norm: a bad step can be neither skipped nor rolled back in the process
+    (the engine cannot be re-initialised), so skip and rollback act as stop. Also the `key=value`
+    settings this changed, for the warning that says so."""
+    acting: dict[str, Any] = {
+        key: "stop" for key in ("nonfinite", "spike") if getattr(cfg, key) in ("skip", "rollback")
+    }
+    named = [f"{key}={getattr(cfg, key)}" for key in acting]
+    if online_rl and cfg.rl.action == "rollback":
+        acting["rl"] = cfg.rl.model_copy(update={"action": "stop"})
+        named.append("rl.action=rollback")
+    return (cfg.model_copy(update=acting) if acting else cfg), named
 
 
 @dataclass
@@ -61,9 +76,17 @@ class Guardrails:
     skipped_steps: int = 0
     rollbacks: int = 0
     skip_on_replay: set[int] = field(default_factory=set)  # steps whose batches a rollback skips
-    # Online RL's guard (stage grpo / rloo), judged from logged metrics by GuardCallback.on_log.
+    # Online RL's guard (stage grpo / rloo), judged from logged metrics by judge_log (GuardCallback.on_log
+    # acts on the verdict).
     # Typed by its protocol: rl_guard.py builds on this module's Verdict.
     rl: LogJudge | None = None
+
+    def judge_log(self, step: int, logs: dict[str, Any] | None) -> Verdict | None:
+        """The RL guard's verdict on a training log's metrics (stage grpo / rloo); None for a stage
+        without it, an evaluation log, or metrics it finds healthy."""
+        if self.rl is None or not logs or any(key.startswith("eval_") for key in logs):
+            return None
+        return self.rl.judge(step, logs)
 
     def judge(self, step: int, loss: float, grad_norm: float | None) -> Verdict:
         """The verdict for optimizer step `step` (1-based, the step about to be applied)."""

@@ -7,19 +7,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-# Online RL's metrics under the names TRL logs them (GRPOTrainer / RLOOTrainer): the total and
-# per-function rewards, the share of groups without reward variance, KL to the reference, token
-# entropy, completion lengths and clipped shares, and the ratio-clipping fractions.
-RL_METRIC_PREFIXES = (
-    "reward",
-    "rewards/",
-    "frac_reward_zero_std",
-    "kl",
-    "entropy",
-    "completions/",
-    "clip_ratio",
-)
-
 
 def stage_metrics(logs: dict[str, Any], prefixes: tuple[str, ...], *, evaluation: bool) -> dict[str, float]:
     """The numbers of `logs` whose names start with one of `prefixes` (after `eval_` in an

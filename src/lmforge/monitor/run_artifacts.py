@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmforge.config.redact import redact, redact_text
+from lmforge.config.stages import stage_spec
 from lmforge.monitor.metrics import read_metrics
 from lmforge.run_layout import RunPaths, read_finished, read_json_object
 
@@ -98,7 +99,7 @@ def finished_run(
         model_metadata=redact({k: v for k, v in model_metadata.items() if v is not None}),
         data_metadata=redact(fingerprints),
     )
-    if stage == "rm":
+    if stage_spec(stage).head == "score":
         run.samples_note = (
             "no sample generations: a reward model (train.stage: rm) scores, it does not generate"
         )

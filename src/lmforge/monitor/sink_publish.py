@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from lmforge.config.stages import stage_spec
 from lmforge.monitor.run_artifacts import FinishedRun
 
 TABLE_KEY = "samples/generations"
@@ -119,7 +120,8 @@ def _log_model(client: Any, run_id: str, run: FinishedRun) -> str:
     experiment_id = client.get_run(run_id).info.experiment_id
     params = {k: str(v) for k, v in run.model_metadata.items() if k in ("stage", "adapter", "base_model")}
     tags = {f"lmforge.{k}": str(v) for k, v in run.model_metadata.items() if k not in params}
-    kind = "reward-model" if run.model_metadata.get("stage") == "rm" else "causal-lm"
+    stage = run.model_metadata.get("stage")
+    kind = "reward-model" if stage is not None and stage_spec(stage).head == "score" else "causal-lm"
     model = client.create_logged_model(
         experiment_id,
         name=artifact_names(run)[1],

@@ -277,7 +277,7 @@ def stage_rl(state: QuickstartState, console: Console) -> None:
 def stage_export(state: QuickstartState, console: Console) -> None:
     """What the fine-tune run's export: section made (it ran at the end of training) and how each
     artifact compares with the adapter on its base, measured in the artifact's own runtime."""
-    from lmforge.ckpt.export import ExportOutcome
+    from lmforge.export.run_export import ExportOutcome
 
     outcome = ExportOutcome(Path(state.results["finetune"]["run_dir"]) / "export", state.results["export"])
     for line in outcome.summary_lines():

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.ckpt.atomic import MARKER_NAME, check_checkpoint, commit_checkpoint, holding_lock, remove_within
-from lmforge.ckpt.integrity import added_since_sealing
 from lmforge.errors import UserInputError
+from lmforge.export.integrity import added_since_sealing
 from lmforge.registry.bundle import finish_bundle, stage_model
 from lmforge.registry.lineage import LINEAGE_NAME, LineageFor, ModelFiles, hash_files, read_lineage
 from lmforge.registry.records import ModelRow, PushResult, VersionInfo, row_for

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.ckpt.atomic import MANIFEST_NAME, MARKER_NAME, check_checkpoint, sha256_file
-from lmforge.ckpt.integrity import added_since_sealing
 from lmforge.errors import UserInputError, WorkFailed
+from lmforge.export.integrity import added_since_sealing
 from lmforge.registry.lineage import ModelFiles
 
 log = logging.getLogger(__name__)

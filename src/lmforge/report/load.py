@@ -1,4 +1,4 @@
-"""Read a run directory (PRODUCT.md's layout) into one typed `RunSummary` for the report.
+"""Read a run directory (README.md, "The run directory") into one typed `RunSummary` for the report.
 
 Only reads: every file is optional (a run that crashed early has few), and a torn or
 unreadable file is reported as missing rather than stopping the report.

@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from lmforge.config.dotted import flatten
-from lmforge.config.schema import RL_STAGES, DistributedConfig, ModelConfig, TrainConfig
+from lmforge.config.schema import DistributedConfig, ModelConfig, TrainConfig
+from lmforge.config.stages import stage_spec
 from lmforge.report.generation_section import generation_section
 from lmforge.report.html import (
     esc,
@@ -110,7 +111,7 @@ def summary_table(run: RunSummary) -> str:
         ("steps", f"{run.last_step if run.last_step is not None else 0} of {_planned_steps(train)}"),
         *(
             _reward_headline(run)  # online RL: the reward is the measure, its policy loss sits near 0
-            if train is not None and train.stage in RL_STAGES
+            if train is not None and stage_spec(train.stage).online_rl
             else [
                 ("final train loss", f"{fmt_number(loss[1])} (step {loss[0]})" if loss else "not recorded"),
                 (

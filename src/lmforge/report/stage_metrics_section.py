@@ -12,7 +12,7 @@ from fnmatch import fnmatchcase
 
 import numpy as np
 
-from lmforge.monitor.metrics import RL_METRIC_PREFIXES
+from lmforge.config.stages import RL_METRIC_PREFIXES
 from lmforge.report.html import esc
 from lmforge.report.load import RunSummary
 from lmforge.report.moe_section import expert_load_section

@@ -62,7 +62,7 @@ def build_training_arguments(
         # HF's default replaces a NaN/inf loss in the logged average: the log would look
         # healthy while bad gradients are applied (NOTES.md). Keep NaNs visible.
         logging_nan_inf_filter=False,
-        include_num_input_tokens_seen="no",  # counted exactly by LmforgeTrainer (train/numerics.py)
+        include_num_input_tokens_seen="no",  # counted exactly by the Trainer adapter (train/numerics.py)
         eval_strategy="steps" if evaluate else "no",
         eval_steps=cfg.eval_every if evaluate else None,
         save_strategy="steps" if cfg.save_every else "no",
@@ -104,7 +104,7 @@ def _early_stopping_arguments(cfg: TrainConfig) -> dict[str, Any]:
 
 
 # train.optimizer.name -> transformers' `optim` name. Muon is not among transformers' optimizers:
-# LmforgeTrainer builds it (train/optimizers.py) and `optim` only names what the record shows.
+# The Trainer adapter (train/hf_trainer.py) builds it (train/optimizers.py) and `optim` only names what the record shows.
 OPTIM_NAMES = {
     "adamw": "adamw_torch_fused",  # torch's fused kernel, on CPUs as well as GPUs
     "adafactor": "adafactor",
@@ -130,7 +130,7 @@ def optimizer_arguments(optimizer: OptimizerConfig) -> dict[str, Any]:
 
 def schedule_arguments(cfg: TrainConfig) -> dict[str, Any]:
     """HF's scheduler name and settings. WSD's decay length is a share of all steps, which HF
-    knows only once training starts: LmforgeTrainer turns `decay_ratio` into steps then."""
+    knows only once training starts: the Trainer adapter turns `decay_ratio` into steps then."""
     warmup: float = cfg.warmup_ratio if cfg.warmup_ratio is not None else cfg.warmup_steps
     if cfg.schedule == "wsd":
         return {
@@ -151,7 +151,7 @@ def memory_arguments(cfg: TrainConfig, *, on_gpu: bool) -> dict[str, Any]:
     """Activation checkpointing through transformers' own switch: every Nth decoder layer
     (`every_n_layers`), torch's non-reentrant checkpoint by default, and with activation offload
     the checkpointed layers' inputs in host memory (the rest of the activations are moved by
-    LmforgeTrainer's save_on_cpu)."""
+    the Trainer adapter's save_on_cpu)."""
     values: dict[str, Any] = {
         "activation_checkpointing": cfg.gradient_checkpointing,
         "torch_empty_cache_steps": cfg.empty_cache_steps,

@@ -10,12 +10,12 @@ from transformers.trainer_callback import PrinterCallback
 
 from lmforge.ckpt.atomic import CheckpointStatus
 from lmforge.config import LmforgeConfig
-from lmforge.config.schema import RL_STAGES
+from lmforge.config.stages import stage_spec
 from lmforge.data.run_data import RunData
+from lmforge.distributed.parallel_state import ParallelState
 from lmforge.distributed.strategy import Plan, engine_arguments
 from lmforge.errors import UserInputError
-from lmforge.models.build import DTYPES
-from lmforge.monitor.metrics import RL_METRIC_PREFIXES, MetricsLog
+from lmforge.monitor.metrics import MetricsLog
 from lmforge.monitor.run_monitor import RunMonitor
 from lmforge.run_layout import RunPaths
 from lmforge.train.callbacks import (
@@ -36,7 +36,7 @@ from lmforge.train.memory_savers import check_chunked_loss_fits
 from lmforge.train.moe_metrics import expert_load_callback
 from lmforge.train.profiling import ProfileCallback
 from lmforge.train.rl_samples import RlSamples
-from lmforge.train.stages import build_stage_trainer
+from lmforge.train.stages.build import build_stage_trainer
 from lmforge.verbosity import is_verbose
 
 
@@ -80,8 +80,10 @@ def assemble_trainer(
     guard: GuardCallback,
     monitor: RunMonitor,
     plan: Plan,
+    parallel: ParallelState,
 ) -> Trainer:
-    """The stage's HF / TRL trainer with lmforge's callbacks, in the order they must run."""
+    """The stage's HF / TRL trainer with lmforge's callbacks, in the order they must run; the
+    Trainer adapter gets the guard's step (`guard.step`) and the model's `parallel` state."""
     has_eval = data.eval is not None and len(data.eval) > 0  # type: ignore[arg-type]
     if cfg.train.chunked_cross_entropy:
         check_chunked_loss_fits(model)
@@ -102,8 +104,8 @@ def assemble_trainer(
         )
         if watched
         else (lambda logs, window: guard.step.record(logs, window, guarded=False)),
-        language_model_loss=cfg.train.stage in ("pretrain", "sft"),
-        stage_metric_prefixes=RL_METRIC_PREFIXES if cfg.train.stage in RL_STAGES else (),
+        language_model_loss=stage_spec(cfg.train.stage).language_model_loss,
+        stage_metric_prefixes=stage_spec(cfg.train.stage).metric_prefixes,
         listeners=monitor.record_listeners(),
     )
     callbacks: list[TrainerCallback] = [
@@ -127,7 +129,7 @@ def assemble_trainer(
         _FinalStepCallback(has_eval),
         # After it: the expert load is taken at each step that logs, the last one included.
         *([experts] if experts is not None else []),
-        ShardReport(plan.engine),
+        ShardReport(plan.engine, parallel.pipeline),
         EngineStartup(
             plan.describe_engine(),
             # Only DeepSpeed builds ops at start; the other engines start in seconds.
@@ -142,7 +144,7 @@ def assemble_trainer(
     if watched and cfg.monitor.profile is not None:
         callbacks.append(ProfileCallback(cfg.monitor.profile, paths, monitor.events))
     rl_samples = None
-    if watched and cfg.train.stage in RL_STAGES and cfg.train.rl.log_completions:
+    if watched and stage_spec(cfg.train.stage).online_rl and cfg.train.rl.log_completions:
         rl_samples = RlSamples(cfg.train.rl.log_completions, monitor, paths.rl_samples, at_eval=has_eval)
         callbacks.append(rl_samples)
     if cfg.train.early_stopping is not None:
@@ -169,6 +171,8 @@ def assemble_trainer(
         has_eval=has_eval,
         configure=configure,
         precision=plan.precision,
+        train_step=guard.step,
+        parallel=parallel,
         engine_args=engine_arguments(plan, model, gradient_checkpointing=cfg.train.gradient_checkpointing),
     )
     if rl_samples is not None:
@@ -177,7 +181,4 @@ def assemble_trainer(
         comm.watch(trainer)  # it hooks the engine's collectives once the Trainer has wrapped the model
     if not is_verbose():
         trainer.remove_callback(PrinterCallback)  # HF's print of raw log dicts (disable_tqdm adds it)
-    # final/ is written in model.dtype whatever the engine trained in (DeepSpeed: a 16-bit copy).
-    trainer.weights_dtype = DTYPES[cfg.model.dtype]  # type: ignore[attr-defined]
-    trainer.train_settings = cfg.train  # type: ignore[attr-defined]  # recipe HF cannot build (train/trainer.py)
     return trainer

@@ -11,13 +11,20 @@ import torch
 def mask_tokens(inputs: dict[str, Any]) -> torch.Tensor:
     """Sum of the 2-D attention masks of every sequence the model runs (chosen, rejected, KL, ...);
     `prompt_*` masks are parts of those sequences, not sequences of their own (TRL's collators).
-    TRL's online RL batches hold a prompt and a completion mask: the model runs both."""
-    total = torch.zeros((), dtype=torch.int64)
+    TRL's online RL batches hold a prompt and a completion mask: the model runs both.
+
+    The count stays on the masks' device: the step adds it up there and syncs once per optimizer
+    step (train/step.py close_step), not once per micro-batch."""
     if "completion_mask" in inputs and "prompt_mask" in inputs:
-        return (inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()).cpu()
-    for key, value in inputs.items():
-        if key.endswith("attention_mask") and not key.startswith("prompt") and getattr(value, "ndim", 0) == 2:
-            total = total + value.sum().cpu()
+        return inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()
+    masks = [
+        value
+        for key, value in inputs.items()
+        if key.endswith("attention_mask") and not key.startswith("prompt") and getattr(value, "ndim", 0) == 2
+    ]
+    total = torch.zeros((), dtype=torch.int64, device=masks[0].device if masks else None)
+    for mask in masks:
+        total = total + mask.sum()
     return total
 
 

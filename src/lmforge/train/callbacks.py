@@ -32,7 +32,7 @@ from lmforge.train.step import eval_record, group_learning_rates
 
 log = logging.getLogger(__name__)
 
-# HF log keys renamed to the names of PRODUCT.md's metrics.jsonl.
+# HF log keys renamed to metrics.jsonl's names (README.md, "The run directory").
 _RENAMED = {"learning_rate": "lr"}
 # Only the end-of-training summary carries train_loss (every step's log has train_runtime
 # when token counting is on); the summary is kept out of the per-step records.
@@ -343,10 +343,12 @@ class ShardReport(TrainerCallback):
 
     Both numbers are counted then, on the same model: TRL's preference and online RL trainers add a
     frozen copy of a LoRA adapter (`ref`) while they are built, so a total counted before held
-    fewer elements than the rank did (103.6%)."""
+    fewer elements than the rank did (103.6%). `pipeline` (the parallel state's) holds the whole
+    model's count when each rank holds one stage."""
 
-    def __init__(self, engine: str) -> None:
+    def __init__(self, engine: str, pipeline: Any = None) -> None:
         self.engine = engine
+        self.pipeline = pipeline
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
@@ -357,7 +359,7 @@ class ShardReport(TrainerCallback):
         model = kw.get("model")
         if model is None:
             return
-        held, total = local_parameter_numel(model), whole_parameter_count(model)
+        held, total = local_parameter_numel(model), whole_parameter_count(model, self.pipeline)
         log.info(
             "rank %d holds %s of %s parameter elements (%.1f%%, %s)",
             args.process_index,

@@ -31,6 +31,7 @@ from transformers import (
 
 from lmforge.config import LmforgeConfig
 from lmforge.config.schema import EvalGenerationsConfig
+from lmforge.config.stages import stage_spec
 from lmforge.data.run_data import RunData
 from lmforge.distributed.strategy import Plan
 from lmforge.evaluate.quality import generation_quality
@@ -147,7 +148,7 @@ def eval_generations_callbacks(
         not cfg.monitor.enabled
         or settings is None
         or not has_eval
-        or cfg.train.stage in ("rm", "grpo", "rloo")
+        or not stage_spec(cfg.train.stage).eval_generations
     ):
         return []
     callback = EvalGenerations(

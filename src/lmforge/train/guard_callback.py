@@ -13,19 +13,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from lmforge.config import LmforgeConfig
-from lmforge.config.schema import RL_STAGES
-from lmforge.config.stage_guardrails import stage_guardrails
 from lmforge.monitor.events import EventLog
-from lmforge.monitor.guard import Guardrails, stage_guard_settings
-from lmforge.monitor.rl_guard import RlGuard
 from lmforge.monitor.watchdog import StallWatchdog, StopSignals
-from lmforge.train.drills import Drills
-from lmforge.train.numerics import datasheet_peak, peak_flops, rank_flops_per_token
 from lmforge.train.step import TrainStep, scale_learning_rate
 
 log = logging.getLogger(__name__)
@@ -137,15 +129,15 @@ class GuardCallback(TrainerCallback):
         logs: dict[str, Any] | None = None,
         **kw: Any,
     ) -> None:
-        """Judge a training log's RL metrics (stage grpo / rloo) and act on the verdict at once.
+        """Act at once on the guardrails' verdict on a training log's RL metrics (monitor/guard.py
+        `Guardrails.judge_log`, stage grpo / rloo).
 
         HF logs in `_maybe_log_save_evaluate`, after on_step_end and before the step's save: a stop
         still checkpoints this step, a rollback still prevents it. TRL's RL metrics are gathered
         over ranks, so every rank reaches the same verdict and they stop together."""
-        rl = self.step.guardrails.rl if self.step.guardrails is not None else None
-        if rl is None or not logs or any(key.startswith("eval_") for key in logs):
+        if self.step.guardrails is None:
             return
-        verdict = rl.judge(state.global_step, logs)
+        verdict = self.step.guardrails.judge_log(state.global_step, logs)
         if verdict is not None:
             self.step.verdicts.append((state.global_step, verdict))
             self._act_on_verdicts(state, control)
@@ -205,71 +197,3 @@ class GuardCallback(TrainerCallback):
                 data_wait_share=share,
             )
         self._data_bound = share > DATA_BOUND_SHARE
-
-
-def build_train_step(
-    cfg: LmforgeConfig,
-    model: Any,
-    resume: Path | None,
-    *,
-    update_in_backward: bool = False,
-    precision: str = "fp32",
-    oom_ladder_climbed: bool = False,
-) -> TrainStep:
-    """The run's step: its guardrails (state restored from `resume`; none when monitoring is off),
-    drills and the constants its metrics need.
-
-    `update_in_backward`: the engine applies each update inside backward (DeepSpeed), before
-    the guard sees the step's gradient norm, so a bad step can be neither skipped nor rolled
-    back in the process (the engine cannot be re-initialised): the run stops, and the newest
-    complete checkpoint is the last good state; the same launch command resumes from it.
-    `precision`: the resolved train.precision, whose matmul peak MFU is measured against.
-    `oom_ladder_climbed`: the run took a rung of the OOM ladder; oom drills no longer fire."""
-    settings = stage_guard_settings(cfg.monitor.guard, cfg.train.stage)
-    online_rl = cfg.train.stage in RL_STAGES
-    if update_in_backward:
-        acting: dict[str, Any] = {
-            key: "stop" for key in ("nonfinite", "spike") if getattr(settings, key) in ("skip", "rollback")
-        }
-        named = [f"{key}={getattr(settings, key)}" for key in acting]
-        if online_rl and settings.rl.action == "rollback":
-            acting["rl"] = settings.rl.model_copy(update={"action": "stop"})
-            named.append("rl.action=rollback")
-        if acting:
-            log.warning(
-                "monitor.guard: DeepSpeed applies each update inside backward, before a bad step can be "
-                "dropped; %s act as stop (resume from the newest checkpoint: set train.save_every)",
-                " and ".join(named),
-            )
-            settings = settings.model_copy(update=acting)
-    guardrails = Guardrails(settings, total_steps=cfg.train.max_steps) if cfg.monitor.enabled else None
-    if guardrails is not None and "rl" in stage_guardrails(cfg.train.stage):
-        guardrails.rl = RlGuard(settings.rl)
-    if guardrails is not None and resume is not None:
-        guardrails.load(resume)
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    return TrainStep(
-        guardrails,
-        Drills.from_config(cfg.debug, oom_ladder_climbed=oom_ladder_climbed),
-        # Online RL's micro-batches are generated completions in whole groups: not split in chunks.
-        oom_backoff=cfg.monitor.enabled and settings.oom_backoff and not online_rl,
-        flops_per_token=rank_flops_per_token(model, cfg.data.max_length),
-        peak_flops=peak_flops(device, precision) if cfg.monitor.enabled else 0.0,
-        peak_measured=datasheet_peak(device) is None,
-    )
-
-
-def attach_train_step(trainer: Any, step: TrainStep) -> None:
-    """Give the trainer its step; rank, world size, global batch and clipping come from its arguments.
-    The ranks of a tensor-parallel or context-parallel group read one batch (`get_tp_size`,
-    `get_cp_size`): it counts once."""
-    args = trainer.args
-    step.rank = step.drills.rank = args.process_index
-    step.world_size = args.world_size
-    step.batch_replicas = trainer.get_tp_size() * trainer.get_cp_size()
-    # Each rank computes its group's batch (1 / data ranks of the tokens), a context rank 1 / cp of it.
-    step.token_share = step.batch_replicas / trainer.get_cp_size() / args.world_size
-    data_ranks = args.world_size // step.batch_replicas
-    step.global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_ranks
-    step.max_grad_norm = args.max_grad_norm or 0.0
-    trainer.train_step = step

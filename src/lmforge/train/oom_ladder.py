@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from lmforge.ckpt.atomic import check_checkpoint, list_step_dirs
 from lmforge.config import LmforgeConfig
 from lmforge.config.schema import OOM_RUNGS
+from lmforge.config.stages import stage_spec
 from lmforge.errors import WorkFailed
 from lmforge.monitor.events import EventLog
 from lmforge.run_layout import RunPaths, read_json_object
@@ -90,7 +91,7 @@ def rung_overrides(rung: str, cfg: LmforgeConfig, engine: TrainingEngine) -> tup
     if rung == "chunked_cross_entropy":
         if train.chunked_cross_entropy:
             return [], "already on"
-        if train.stage not in ("pretrain", "sft"):
+        if not stage_spec(train.stage).language_model_loss:
             return [], f"stage {train.stage} computes its own loss"
         if train.kernels == "liger":
             return [], "Liger's fused loss never builds the logits either"

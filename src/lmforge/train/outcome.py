@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmforge.ckpt.export import ExportOutcome
+from lmforge.export.run_export import ExportOutcome
 from lmforge.monitor.metrics import read_metrics
 from lmforge.run_layout import RunPaths
 

@@ -7,6 +7,7 @@ train` runs these checks before it loads the training stack."""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -14,23 +15,42 @@ from lmforge.config import LmforgeConfig
 from lmforge.config.rl_rules import reward_model_problems
 from lmforge.config.schema import (
     OPTIMIZERS_ON_GPU_ONLY,
-    RL_STAGES,
     ModelConfig,
     MonitorConfig,
     RlConfig,
     TrainConfig,
 )
+from lmforge.config.stages import stage_spec
 from lmforge.errors import UserInputError
 from lmforge.evaluate.quality import require_bertscore
 from lmforge.monitor.sinks import require_sink_packages
-from lmforge.upstream import check_upstream_versions
+from lmforge.upstream import ALLOW_UNTESTED_ENV, check_upstream_versions, untested_versions
 
 
 def check_runs_here(cfg: LmforgeConfig) -> None:
-    """UserInputError for the first requirement this machine misses; a warning when a library
-    lmforge patches is outside its tested versions."""
+    """UserInputError for the first requirement this machine misses, or for a library lmforge
+    patches that is outside its tested versions."""
     check_machine_requirements(cfg)
-    check_upstream_versions()
+    require_tested_versions()
+
+
+def require_tested_versions() -> None:
+    """UserInputError (exit code 2) naming each library outside the versions lmforge's overrides and
+    patches were tested on: an untested upgrade fails at start, not minutes into a run. With
+    LMFORGE_ALLOW_UNTESTED_VERSIONS=1 each is a warning instead."""
+    if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+        check_upstream_versions()
+        return
+    problems = untested_versions()
+    if problems:
+        raise UserInputError(
+            "\n".join(
+                f"{line}: lmforge overrides or patches parts of it (see lmforge/upstream.py)"
+                for line in problems
+            )
+            + f"\ninstall the tested versions (pip install -c constraints.txt -e .), or set {ALLOW_UNTESTED_ENV}=1 "
+            "to run anyway with a warning"
+        )
 
 
 def check_machine_requirements(cfg: LmforgeConfig) -> None:
@@ -40,7 +60,7 @@ def check_machine_requirements(cfg: LmforgeConfig) -> None:
     check_attention_runs_here(cfg.model)  # flash_attention_2 without CUDA + flash-attn
     require_sink_packages(cfg.monitor)  # a selected logger whose extra is not installed
     require_eval_generation_packages(cfg.monitor)  # BERTScore without the bertscore extra
-    if cfg.train.stage in RL_STAGES:
+    if stage_spec(cfg.train.stage).online_rl:
         uses_vllm(cfg.train.rl)  # generation: vllm without CUDA + the vllm package
         missing = reward_model_problems(cfg)  # a kind: model reward whose directory is not there
         if missing:

@@ -2,8 +2,8 @@
 
 lmforge supplies what TRL takes as arguments: the prompts (data/preference.py, with the
 reference answer in an `answer` column), the reward functions built from `train.rewards`
-(train/rewards.py), the generation and loss settings of `train.rl`, and a reference model TRL
-can load when the KL term needs one. The RL loop itself (generate, score, group advantages,
+(train/rewards.py), the generation and loss settings of `train.rl` (train/stages/online_rl.py),
+and a reference model TRL can load when the KL term needs one. The RL loop itself (generate, score, group advantages,
 clipped policy loss) is TRL's.
 """
 
@@ -21,40 +21,6 @@ from lmforge.run_layout import RunPaths
 from lmforge.train.rewards import RewardSet, build_reward_functions
 
 log = logging.getLogger(__name__)
-
-
-def rl_config_values(train: TrainConfig, rewards: RewardSet, *, use_vllm: bool) -> dict[str, Any]:
-    """GRPOConfig / RLOOConfig values from `train.rl` and the rewards' weights."""
-    rl = train.rl
-    values: dict[str, Any] = {
-        "num_generations": rl.group_size,
-        "max_completion_length": rl.max_completion_length,
-        "temperature": rl.temperature,
-        "top_p": rl.top_p,
-        "beta": rl.beta,
-        "epsilon": rl.epsilon,
-        "epsilon_high": rl.epsilon_high if rl.epsilon_high is not None else rl.epsilon,
-        "mask_truncated_completions": rl.mask_truncated_completions,
-        "reward_weights": rewards.weights,
-        # TRL's own completion printer writes rich tables to the console and parquet files;
-        # lmforge sends the samples to its sinks instead (train/rl_samples.py).
-        "log_completions": False,
-        "remove_unused_columns": False,  # the reference answers reach the reward functions as a column
-        # A micro-batch holds completions; evaluation needs whole groups of them.
-        "per_device_eval_batch_size": train.micro_batch_size * train.grad_accum,
-        "use_vllm": use_vllm,
-        "vllm_mode": "colocate",
-        # Only the reference model is loaded by TRL (from <run>/reference/, reference_model_path):
-        # in the dtype it was saved in.
-        "model_init_kwargs": {"dtype": "auto"},
-    }
-    if train.stage == "grpo":
-        values["loss_type"] = "grpo" if rl.loss == "gspo" else rl.loss
-        values["importance_sampling_level"] = "sequence" if rl.loss == "gspo" else "token"
-        values["scale_rewards"] = rl.scale_rewards
-    elif "scale_rewards" in rl.model_fields_set:
-        values["normalize_advantages"] = rl.scale_rewards != "none"
-    return values
 
 
 def build_rl_rewards(train: TrainConfig, dataset: Any, tokenizer: PreTrainedTokenizerBase) -> RewardSet:

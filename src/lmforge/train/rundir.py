@@ -1,4 +1,4 @@
-"""The run directory of PRODUCT.md: its paths, its resolved config and its manifest."""
+"""The run directory (README.md, "The run directory"): its paths, its resolved config and its manifest."""
 
 from __future__ import annotations
 

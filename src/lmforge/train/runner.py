@@ -18,19 +18,19 @@ import torch
 from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
 
 from lmforge.ckpt.atomic import CheckpointStatus, find_latest_complete
-from lmforge.ckpt.export import SUMMARY_NAME as EXPORT_SUMMARY
-from lmforge.ckpt.export import ExportOutcome, run_export
 from lmforge.ckpt.safe_load import no_code_from_checkpoints
 from lmforge.config import LmforgeConfig, dump_config
-from lmforge.config.schema import RL_STAGES, MonitorConfig
-from lmforge.distributed.context_parallel import prepare_context_parallel
-from lmforge.distributed.expert_parallel import shard_experts
-from lmforge.distributed.pipeline_parallel import split_into_stages, whole_parameter_count
+from lmforge.config.schema import MonitorConfig
+from lmforge.config.stages import stage_spec
+from lmforge.distributed.parallel import parallelize
+from lmforge.distributed.parallel_state import ParallelState
+from lmforge.distributed.pipeline_parallel import whole_parameter_count
 from lmforge.distributed.ranks import share_node_cores
 from lmforge.distributed.strategy import Plan, plan_for
-from lmforge.distributed.tensor_parallel import shard_tensor_parallel
 from lmforge.errors import TrainingStopped, WorkFailed, explain_write_failure
 from lmforge.evaluate.samples import sample_generations
+from lmforge.export.run_export import SUMMARY_NAME as EXPORT_SUMMARY
+from lmforge.export.run_export import ExportOutcome, run_export
 from lmforge.models.build import build_model, count_parameters
 from lmforge.models.methods import Head, apply_training_method, quantization_for
 from lmforge.monitor.events import EventLog
@@ -43,7 +43,7 @@ from lmforge.train.callbacks import (
     NothingLeftToTrain,
 )
 from lmforge.train.final import refuse_nonfinite_final_eval, save_final
-from lmforge.train.guard_callback import GuardCallback, attach_train_step, build_train_step
+from lmforge.train.guard_callback import GuardCallback
 from lmforge.train.memory_savers import describe_memory_savers
 from lmforge.train.oom_ladder import OomRestart, TrainingEngine, climb, forget_rungs, read_rungs
 from lmforge.train.outcome import TrainOutcome, outcome_of
@@ -56,8 +56,8 @@ from lmforge.train.run_lock import RunLock
 from lmforge.train.run_log import run_log
 from lmforge.train.run_setup import RunSetup, clear_partial_writes, set_up_run, write_in_progress
 from lmforge.train.rundir import make_run_dir
-from lmforge.train.stages import needs_reference_model
-from lmforge.train.step import OutOfMemoryGivenUp
+from lmforge.train.stages.build import needs_reference_model
+from lmforge.train.step import OutOfMemoryGivenUp, TrainStep
 from lmforge.upstream import quiet_progress_bars, route_deepspeed_logs
 from lmforge.verbosity import FILE_ONLY, is_verbose
 
@@ -136,7 +136,7 @@ def _train_run(
     assert tokenizer is not None and data is not None  # set for every run that trains
     metrics = MetricsLog(paths.metrics)  # read after the directory was settled (resumed, cleared)
 
-    head: Head = "score" if cfg.train.stage == "rm" else "causal"
+    head: Head = stage_spec(cfg.train.stage).head
     model: Any = build_model(
         cfg.model,
         tokenizer,
@@ -147,21 +147,18 @@ def _train_run(
     parameters = count_parameters(model)
     log.info("model: %s, %.2fM parameters", model.config.model_type, parameters / 1e6)
     # Before anything reads the parameters: each rank keeps its slice, its experts or its pipeline
-    # stage, and its attention turns causal-only for the ring (no-ops without tensor_parallel /
-    # context_parallel / expert_parallel / pipeline_parallel).
-    shard_tensor_parallel(model, plan.layout, on_gpu=torch.cuda.is_available())
-    prepare_context_parallel(model, plan.layout, on_gpu=torch.cuda.is_available())
-    shard_experts(model, plan.layout, on_gpu=torch.cuda.is_available())
-    split_into_stages(
+    # stage, and its attention turns causal-only for the ring (distributed/parallel.py: only the
+    # dimensions the layout uses).
+    parallel = parallelize(
         model,
         plan.layout,
         on_gpu=torch.cuda.is_available(),
-        schedule=plan.settings.pipeline_schedule,
-        microbatches=plan.settings.pipeline_microbatches or plan.layout.pipeline,
+        pipeline_schedule=plan.settings.pipeline_schedule,
+        pipeline_microbatches=plan.settings.pipeline_microbatches,
     )
     # The reference is the starting model, frozen: copied before any weight trains.
     reference = copy.deepcopy(model).eval() if needs_reference_model(cfg) else None
-    if cfg.train.stage in RL_STAGES:
+    if stage_spec(cfg.train.stage).reference == "on_disk":
         reference_model_path(model, cfg.train, paths, is_main=world.is_main)
     model = apply_training_method(
         model, cfg.train, head=head, audit_path=paths.adapter_audit if world.is_main else None
@@ -179,7 +176,7 @@ def _train_run(
     )
     events = monitor.events
     rungs_before = read_rungs(paths.root)  # the OOM ladder's rungs this run took before this start
-    step = build_train_step(
+    step = TrainStep.from_config(
         cfg,
         model,
         resume.path if resume else None,
@@ -195,9 +192,8 @@ def _train_run(
         update_in_backward=plan.engine == "deepspeed",
     )
     trainer = assemble_trainer(
-        cfg, model, reference, tokenizer, data, paths, metrics, resume, guard, monitor, plan
+        cfg, model, reference, tokenizer, data, paths, metrics, resume, guard, monitor, plan, parallel
     )
-    attach_train_step(trainer, step)
     for callback in extra_callbacks:
         trainer.add_callback(callback)
     rank0 = trainer.is_world_process_zero()
@@ -213,7 +209,7 @@ def _train_run(
             f"the finished run continues from step {start.extends} to {_target(cfg)}",
         )
     try:
-        export = _train_and_export(cfg, trainer, guard, tokenizer, metrics, paths, resume)
+        export = _train_and_export(cfg, trainer, guard, tokenizer, metrics, paths, resume, parallel)
     except BaseException as err:
         writing = write_in_progress(paths) if rank0 else None  # named in the message: gone just below
         if rank0:
@@ -285,6 +281,7 @@ def _train_and_export(
     metrics: MetricsLog,
     paths: RunPaths,
     resume: CheckpointStatus | None,
+    parallel: ParallelState,
 ) -> ExportOutcome | None:
     """Train (rolling back as the guardrails ask), then write final/ and the exports.
 
@@ -314,7 +311,9 @@ def _train_and_export(
     if guard.signal_stop is not None:
         return None
     finished = {"step": step, "target": {"max_steps": cfg.train.max_steps, "epochs": cfg.train.epochs}}
-    finished["parameters"] = whole_parameter_count(trainer.accelerator.unwrap_model(trainer.model))
+    finished["parameters"] = whole_parameter_count(
+        trainer.accelerator.unwrap_model(trainer.model), parallel.pipeline
+    )
     refuse_nonfinite_final_eval(trainer.state.log_history, paths)  # every rank holds it: all decide alike
     save_final(trainer, tokenizer, paths, merge_lora=cfg.export.merge_lora, finished=finished)
     if trainer.is_world_process_zero():

@@ -1,20 +1,22 @@
 """One optimizer step, top to bottom: everything lmforge adds to HF Trainer's step lives here.
 
-    for each micro-batch (HF's `training_step`, see train/trainer.py):
+    for each micro-batch (HF's `training_step`, see train/hf_trainer.py):
         drills due at this step (crash, hang, oom; nan / spike scale the loss)   run_drills, scale_loss
-        count its real tokens, on the device (no host sync)                     count_tokens
+        count its real tokens, on the device (no host sync; TRL's masks too)     count_tokens
         forward + backward (HF), as 2, 4, ... chunks after an out-of-memory     batches.split_batch, back_off
         add its loss to the step's, on the device                               add_loss
     once, right before optimizer.step() (HF's `_get_grad_norm` hook):          close_step
-        one all_gather of [loss, tokens] over ranks: the step's one host sync
+        one all_gather of [loss, tokens, grad norm] over ranks: the step's one
+        host sync (tests/test_host_syncs.py counts it, LM and TRL stages alike)
         tokens into state.num_input_tokens_seen (they survive a resume)
         judge the step (monitor/guard.py): apply it, or drop its gradients so
         the optimizer changes neither parameters nor moments
         at a logged step, keep a sample of the parameters for the update ratio
     after optimizer.step():                                                     measure_update_ratio
     at a logged step, the metrics.jsonl record                                  record
+        (a logged step reads more on the host: the update ratio, HF's logged loss)
 
-The Trainer mixin only forwards its hooks here; the callbacks (train/guard_callback.py,
+The Trainer adapter (train/hf_trainer.py) only forwards its hooks here; the callbacks (train/guard_callback.py,
 train/callbacks.py) turn the verdicts into events, checkpoints and stops, and write records.
 """
 
@@ -26,18 +28,34 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import get_total_norm
 
+from lmforge.config import LmforgeConfig
+from lmforge.config.stages import stage_guardrails, stage_spec
 from lmforge.distributed.devices import collective_device
-from lmforge.monitor.guard import Guardrails, Verdict
+from lmforge.monitor.guard import Guardrails, Verdict, settings_for_update_in_backward, stage_guard_settings
+from lmforge.monitor.rl_guard import RlGuard
 from lmforge.train.batches import mask_tokens
 from lmforge.train.drills import Drills
-from lmforge.train.numerics import REAL_TOKENS_KEY, RankFlops, memory_metrics, mfu, perplexity
+from lmforge.train.numerics import (
+    REAL_TOKENS_KEY,
+    RankFlops,
+    datasheet_peak,
+    memory_metrics,
+    mfu,
+    peak_flops,
+    perplexity,
+    rank_flops_per_token,
+)
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
 
 log = logging.getLogger(__name__)
 # Parameters sampled for the update-to-parameter ratio: a copy of at most this many elements
@@ -91,6 +109,65 @@ class TrainStep:
     notices: list[tuple[str, str]] = field(default_factory=list)  # (kind, message) events to emit
     _ratio_before: list[torch.Tensor] | None = None
     _ratio_params: list[torch.nn.Parameter] = field(default_factory=list)
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: LmforgeConfig,
+        model: Any,
+        resume: Path | None,
+        *,
+        update_in_backward: bool = False,
+        precision: str = "fp32",
+        oom_ladder_climbed: bool = False,
+    ) -> TrainStep:
+        """The run's step: its guardrails (state restored from `resume`; none when monitoring is off),
+        drills and the constants its metrics need. The Trainer adapter binds it to its arguments.
+
+        `update_in_backward`: the engine applies each update inside backward (DeepSpeed), before
+        the guard sees the step's gradient norm, so a bad step can be neither skipped nor rolled
+        back in the process (the engine cannot be re-initialised): the run stops, and the newest
+        complete checkpoint is the last good state; the same launch command resumes from it.
+        `precision`: the resolved train.precision, whose matmul peak MFU is measured against.
+        `oom_ladder_climbed`: the run took a rung of the OOM ladder; oom drills no longer fire."""
+        settings = stage_guard_settings(cfg.monitor.guard, cfg.train.stage)
+        online_rl = stage_spec(cfg.train.stage).online_rl
+        if update_in_backward:
+            settings, named = settings_for_update_in_backward(settings, online_rl=online_rl)
+            if named:
+                log.warning(
+                    "monitor.guard: DeepSpeed applies each update inside backward, before a bad step can be "
+                    "dropped; %s act as stop (resume from the newest checkpoint: set train.save_every)",
+                    " and ".join(named),
+                )
+        guardrails = Guardrails(settings, total_steps=cfg.train.max_steps) if cfg.monitor.enabled else None
+        if guardrails is not None and "rl" in stage_guardrails(cfg.train.stage):
+            guardrails.rl = RlGuard(settings.rl)
+        if guardrails is not None and resume is not None:
+            guardrails.load(resume)
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        return cls(
+            guardrails,
+            Drills.from_config(cfg.debug, oom_ladder_climbed=oom_ladder_climbed),
+            # Online RL's micro-batches are generated completions in whole groups: not split in chunks.
+            oom_backoff=cfg.monitor.enabled and settings.oom_backoff and not online_rl,
+            flops_per_token=rank_flops_per_token(model, cfg.data.max_length),
+            peak_flops=peak_flops(device, precision) if cfg.monitor.enabled else 0.0,
+            peak_measured=datasheet_peak(device) is None,
+        )
+
+    def bind(self, args: TrainingArguments, *, tensor_ranks: int, context_ranks: int) -> None:
+        """Rank, world size, global batch and clipping from the Trainer's arguments (the adapter calls
+        this once built). The ranks of a tensor-parallel or context-parallel group read one batch
+        (HF's `get_tp_size`, `get_cp_size`): it counts once."""
+        self.rank = self.drills.rank = args.process_index
+        self.world_size = args.world_size
+        self.batch_replicas = tensor_ranks * context_ranks
+        # Each rank computes its group's batch (1 / data ranks of the tokens), a context rank 1 / cp of it.
+        self.token_share = self.batch_replicas / context_ranks / args.world_size
+        data_ranks = args.world_size // self.batch_replicas
+        self.global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * data_ranks
+        self.max_grad_norm = args.max_grad_norm or 0.0
 
     # -- each micro-batch -----------------------------------------------------------------
     def run_drills(self, step: int) -> None:
@@ -159,9 +236,9 @@ class TrainStep:
         self, step: int, grad_norm: Any, model: torch.nn.Module, state: Any, *, logs: bool
     ) -> None:
         """Aggregate over ranks, count the tokens, judge the step and drop it if it is not healthy."""
-        tokens = self._aggregate()
+        tokens, norm = self._aggregate(grad_norm)
         state.num_input_tokens_seen += tokens
-        verdict = self._judge(step, grad_norm)
+        verdict = self._judge(step, norm)
         if verdict.action != "apply":
             for param in model.parameters():
                 param.grad = None  # optimizer.step() now leaves parameters and moments unchanged
@@ -172,31 +249,40 @@ class TrainStep:
             self._snapshot_for_ratio(model)
         self.step_loss, self.step_tokens, self.tainted = None, None, ""
 
-    def _aggregate(self) -> int:
-        """(loss mean, loss max) over ranks into this object, and the step's total real tokens.
+    def _aggregate(self, grad_norm: Any) -> tuple[int, float | None]:
+        """(loss mean, loss max) over ranks into this object, the step's total real tokens, and
+        this rank's gradient norm as a number.
 
-        One all_gather of [loss, tokens] and one host sync per optimizer step. Gathered rather
-        than reduced with MAX, which would drop a NaN of one rank."""
+        One all_gather of [loss, tokens, grad norm] and one host sync per optimizer step: the grad
+        norm (a tensor on the device) rides along instead of costing a sync of its own. Gathered
+        rather than reduced with MAX, which would drop a NaN of one rank."""
         loss = self.step_loss if self.step_loss is not None else torch.tensor(math.nan)
         tokens = self.step_tokens if self.step_tokens is not None else torch.zeros((), dtype=torch.int64)
-        device = collective_device() if self.world_size > 1 and dist.is_initialized() else loss.device
-        mine = torch.stack([loss.to(device, torch.float64), tokens.to(device, torch.float64)])
-        if self.world_size > 1 and dist.is_initialized():
-            gathered = [torch.zeros(2, dtype=torch.float64, device=device) for _ in range(self.world_size)]
+        distributed = self.world_size > 1 and dist.is_initialized()
+        device = collective_device() if distributed else loss.device
+        columns = [loss.to(device, torch.float64), tokens.to(device, torch.float64)]
+        # A sharded (DTensor) norm is read as before, by float(): its placement decides what a rank holds.
+        norm_on_device = isinstance(grad_norm, torch.Tensor) and not isinstance(grad_norm, DTensor)
+        if norm_on_device:
+            columns.append(grad_norm.detach().reshape(()).to(device, torch.float64))
+        mine = torch.stack(columns)
+        if distributed:
+            gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
             dist.all_gather(gathered, mine)
             table = torch.stack(gathered)
         else:
-            table = mine.reshape(1, 2)
+            table = mine.reshape(1, -1)
         rows = table.tolist()  # the host sync
+        own_row = rows[dist.get_rank() if distributed else 0]
+        norm = own_row[2] if norm_on_device else float(grad_norm) if grad_norm is not None else None
         losses = [row[0] for row in rows]
         self.loss_mean = math.fsum(losses) / len(losses) if not any(map(math.isnan, losses)) else math.nan
         self.loss_max = max(losses) if not any(map(math.isnan, losses)) else math.nan
-        return int(round(sum(row[1] for row in rows) / self.batch_replicas))
+        return int(round(sum(row[1] for row in rows) / self.batch_replicas)), norm
 
-    def _judge(self, step: int, grad_norm: Any) -> Verdict:
+    def _judge(self, step: int, norm: float | None) -> Verdict:
         if self.guardrails is None:
             return Verdict("apply")
-        norm = float(grad_norm) if grad_norm is not None else None
         verdict = self.guardrails.judge(step, self.loss_mean, norm)
         if self.tainted and verdict.action == "apply":
             verdict = Verdict("skip", "oom_backoff", f"step {step}: {self.tainted}")

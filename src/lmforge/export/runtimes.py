@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from lmforge.ckpt.safetensors_stream import SafetensorsReader
 from lmforge.errors import UserInputError
+from lmforge.export.safetensors_stream import SafetensorsReader
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -93,7 +93,7 @@ def open_artifact(path: Path, runtime: str = "auto") -> Artifact:
         return _open_gguf(gguf, runtime)
     if path.is_dir() and (path / "model.onnx").is_file():
         _require(runtime, ("auto", "onnxruntime"), path, "an ONNX export runs in onnxruntime")
-        from lmforge.ckpt.to_onnx import OnnxCausalLM
+        from lmforge.export.to_onnx import OnnxCausalLM
 
         return Artifact(path, "onnx", "onnxruntime", onnx_precision(path / "model.onnx"), OnnxCausalLM(path))
     _require(runtime, ("auto", "transformers"), path, "an HF model or adapter runs in transformers")
@@ -114,7 +114,7 @@ def gguf_file(path: Path) -> Path | None:
 
 
 def _open_gguf(path: Path, runtime: str) -> Artifact:
-    from lmforge.ckpt import gguf_runtime
+    from lmforge.export import gguf_runtime
 
     _require(
         runtime, ("auto", "llama.cpp", "transformers"), path, "a GGUF file runs in llama.cpp or transformers"

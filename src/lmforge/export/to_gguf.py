@@ -32,12 +32,12 @@ import gguf
 import numpy as np
 from tqdm.auto import tqdm
 
-from lmforge.ckpt.conversion import Conversion
-from lmforge.ckpt.gguf_encoding import PlannedTensor, QType, encode_blocks, one_thread, storage_type
-from lmforge.ckpt.gguf_modelfile import render_modelfile
-from lmforge.ckpt.gguf_tokenizer import add_tokenizer, load_tokenizer
-from lmforge.ckpt.safetensors_stream import INDEX_NAME, SafetensorsReader
 from lmforge.errors import UserInputError
+from lmforge.export.conversion import Conversion
+from lmforge.export.gguf_encoding import PlannedTensor, QType, encode_blocks, one_thread, storage_type
+from lmforge.export.gguf_modelfile import render_modelfile
+from lmforge.export.gguf_tokenizer import add_tokenizer, load_tokenizer
+from lmforge.export.safetensors_stream import INDEX_NAME, SafetensorsReader
 
 # --dtype -> (type of 2-D weights, general.file_type)
 GGUF_DTYPES: dict[str, tuple[QType, gguf.LlamaFileType]] = {

@@ -21,12 +21,12 @@ import torch
 
 from lmforge.ckpt.atomic import staged_directory
 from lmforge.ckpt.dcp_checkpoint import dcp_sources
-from lmforge.ckpt.safetensors_stream import CODES, TensorSpec, parse_size, write_sharded
 from lmforge.ckpt.tensor_source import TensorSource
-from lmforge.ckpt.to_safetensors import FLOAT_DTYPES, SIDE_FILES
-from lmforge.ckpt.zero_assembly import zero_sources
 from lmforge.ckpt.zero_checkpoint import find_zero_dir
 from lmforge.errors import UserInputError
+from lmforge.export.safetensors_stream import CODES, TensorSpec, parse_size, write_sharded
+from lmforge.export.to_safetensors import FLOAT_DTYPES, SIDE_FILES
+from lmforge.export.zero_assembly import zero_sources
 
 log = logging.getLogger(__name__)
 

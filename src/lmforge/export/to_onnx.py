@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from lmforge.ckpt.conversion import Conversion
-from lmforge.ckpt.to_safetensors import copy_side_files
-from lmforge.ckpt.weight_sources import model_shards
 from lmforge.errors import CheckpointError, UserInputError
+from lmforge.export.conversion import Conversion
+from lmforge.export.to_safetensors import copy_side_files
+from lmforge.export.weight_sources import model_shards
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -2,7 +2,7 @@
 
 Each cut edits a `PrunePlan` (which source tensor becomes which output tensor, and how it is
 sliced) and the model's config dict in place, and returns one line per change for the report.
-Nothing here reads or writes tensor data; `lmforge.ckpt.prune` streams the tensors.
+Nothing here reads or writes tensor data; `lmforge.export.prune` streams the tensors.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from lmforge.ckpt.safetensors_stream import TensorSpec
 from lmforge.errors import UserInputError
+from lmforge.export.safetensors_stream import TensorSpec
 
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
 LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")

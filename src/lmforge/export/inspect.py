@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.ckpt.atomic import MANIFEST_NAME, MARKER_NAME, check_checkpoint
-from lmforge.ckpt.safetensors_stream import SafetensorsReader
 from lmforge.errors import UserInputError
+from lmforge.export.safetensors_stream import SafetensorsReader
 
 ADAPTER_CONFIG = "adapter_config.json"
 

@@ -15,16 +15,16 @@ from pathlib import Path
 import torch
 
 from lmforge.ckpt.atomic import check_out_path
-from lmforge.ckpt.conversion import Conversion
-from lmforge.ckpt.safetensors_stream import CODES, INDEX_NAME, TensorSpec, parse_size, write_sharded
-from lmforge.ckpt.weight_sources import (
+from lmforge.errors import UserInputError
+from lmforge.export.conversion import Conversion
+from lmforge.export.safetensors_stream import CODES, INDEX_NAME, TensorSpec, parse_size, write_sharded
+from lmforge.export.weight_sources import (
     BinSource,
     SafetensorsSource,
     TensorSource,
     legacy_bin_files,
     model_shards,
 )
-from lmforge.errors import UserInputError
 
 # Files that belong next to the weights: config, generation settings and the tokenizer.
 SIDE_FILES = (

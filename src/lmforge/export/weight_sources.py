@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from lmforge.ckpt.safe_load import refused_pickle_reason
-from lmforge.ckpt.safetensors_stream import CODES, DTYPES, INDEX_NAME, Entry, SafetensorsReader, TensorSpec
 from lmforge.errors import UserInputError
+from lmforge.export.safetensors_stream import CODES, DTYPES, INDEX_NAME, Entry, SafetensorsReader, TensorSpec
 
 BIN_INDEX = "pytorch_model.bin.index.json"
 

@@ -1,6 +1,6 @@
 """`lmforge ckpt verify`: is this artifact intact, and does it behave like the model it came from?
 
-Integrity (`lmforge.ckpt.integrity`): the hash manifest when there is one (lmforge seals
+Integrity (`lmforge.export.integrity`): the hash manifest when there is one (lmforge seals
 checkpoints and exports), else the file structure (safetensors headers and sizes, GGUF and ONNX
 parse). Parity: the artifact runs in its own runtime and the reference in transformers, on the
 same token ids; the verdict compares logits (max abs diff, top-1 agreement), perplexity and
@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from lmforge.ckpt.convert import EXPORT_RECORD
-from lmforge.ckpt.integrity import check_integrity
-from lmforge.ckpt.runtimes import (
+from lmforge.errors import UserInputError
+from lmforge.export.convert import EXPORT_RECORD
+from lmforge.export.integrity import check_integrity
+from lmforge.export.runtimes import (
     FULL,
     HALF,
     INT8,
@@ -30,7 +31,6 @@ from lmforge.ckpt.runtimes import (
     open_artifact,
     token_logprob_mean,
 )
-from lmforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 DEFAULT_TEXTS = (

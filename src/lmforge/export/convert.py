@@ -11,8 +11,8 @@ import shutil
 from pathlib import Path
 
 from lmforge.ckpt.atomic import check_out_path, commit_checkpoint, require_writable
-from lmforge.ckpt.conversion import Conversion
 from lmforge.errors import UserInputError
+from lmforge.export.conversion import Conversion
 
 EXPORT_RECORD = "lmforge_export.json"  # {source, format, dtype, details}: lets verify find its reference
 
@@ -57,15 +57,15 @@ def _convert(
     source: Path, to: str, out: Path, dtype: str | None, max_shard_size: str, allow_bin: bool
 ) -> Conversion:
     if to == "gguf":
-        from lmforge.ckpt.to_gguf import convert_to_gguf
+        from lmforge.export.to_gguf import convert_to_gguf
 
         return convert_to_gguf(source, out, dtype=dtype or "f16")
     if to == "onnx":
-        from lmforge.ckpt.to_onnx import convert_to_onnx
+        from lmforge.export.to_onnx import convert_to_onnx
 
         return convert_to_onnx(source, out, dtype=dtype or "f32")
     if to == "safetensors":
-        from lmforge.ckpt.to_safetensors import convert_to_safetensors
+        from lmforge.export.to_safetensors import convert_to_safetensors
 
         return convert_to_safetensors(
             source, out, dtype=dtype, max_shard_size=max_shard_size, allow_bin=allow_bin

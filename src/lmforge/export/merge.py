@@ -28,9 +28,9 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from lmforge.ckpt.atomic import check_out_path, staged_directory
-from lmforge.ckpt.safetensors_stream import INDEX_NAME, SafetensorsReader, write_header, write_tensor
-from lmforge.ckpt.to_safetensors import SIDE_FILES
 from lmforge.errors import UserInputError
+from lmforge.export.safetensors_stream import INDEX_NAME, SafetensorsReader, write_header, write_tensor
+from lmforge.export.to_safetensors import SIDE_FILES
 from lmforge.upstream import route_deepspeed_logs
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@
 reads the HF tensor a block of rows at a time and turns it into those bytes: the RoPE row
 permutation llama.cpp expects for Llama/Mistral q_proj/k_proj, then f32, f16, bf16 or ggml's
 Q8_0 (`quantize_q8_0`).
-Used by `lmforge.ckpt.to_gguf`.
+Used by `lmforge.export.to_gguf`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import gguf
 import numpy as np
 import torch
 
-from lmforge.ckpt.safetensors_stream import DTYPES, Entry, SafetensorsReader
+from lmforge.export.safetensors_stream import DTYPES, Entry, SafetensorsReader
 
 QType = gguf.GGMLQuantizationType
 _Q8_ROWS_PER_CHUNK = 256  # bounds the float32 scratch of q8_0 quantization (a few MB)

@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 from lmforge.ckpt.atomic import commit_checkpoint
-from lmforge.ckpt.prune_cuts import PrunePlan, cap_generation_length, cut_layers, cut_positions
-from lmforge.ckpt.safetensors_stream import TensorSpec, write_sharded
-from lmforge.ckpt.to_safetensors import (
+from lmforge.errors import UserInputError
+from lmforge.export.prune_cuts import PrunePlan, cap_generation_length, cut_layers, cut_positions
+from lmforge.export.safetensors_stream import TensorSpec, write_sharded
+from lmforge.export.to_safetensors import (
     CONFIG_DTYPE_NAMES,
     cast_spec,
     cast_tensor,
@@ -29,8 +30,7 @@ from lmforge.ckpt.to_safetensors import (
     set_config_dtype,
     shard_bytes,
 )
-from lmforge.ckpt.weight_sources import SafetensorsSource, model_shards
-from lmforge.errors import UserInputError
+from lmforge.export.weight_sources import SafetensorsSource, model_shards
 
 _ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 

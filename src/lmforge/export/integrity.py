@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.ckpt.atomic import MANIFEST_NAME, MARKER_NAME, check_checkpoint
-from lmforge.ckpt.runtimes import gguf_file
-from lmforge.ckpt.safetensors_stream import INDEX_NAME, SafetensorsReader
 from lmforge.errors import UserInputError
+from lmforge.export.runtimes import gguf_file
+from lmforge.export.safetensors_stream import INDEX_NAME, SafetensorsReader
 
 
 def check_integrity(path: Path) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The config's `export:` stage: after training, merge -> convert -> verify, into export/.
 
 The trained model is final/ (a full model, or a PEFT adapter in final/adapter/). Adapter runs
-are merged first (streaming, ckpt.merge) unless final/ already holds the merged model. Each
+are merged first (streaming, export.merge) unless final/ already holds the merged model. Each
 format is converted into its own sealed directory and then verified in its own runtime
 against the trained model itself — the adapter on its base for adapter runs — so a verdict
 covers the whole chain. export/export.json records every artifact and its verdict.
@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lmforge.ckpt.convert import convert
-from lmforge.ckpt.merge import merge_lora
 from lmforge.config.schema import ExportConfig
 from lmforge.errors import ExportVerificationFailed
+from lmforge.export.convert import convert
+from lmforge.export.merge import merge_lora
 
 log = logging.getLogger(__name__)
 SUMMARY_NAME = "export.json"
@@ -58,7 +58,7 @@ def run_export(cfg: ExportConfig, final: Path, export_dir: Path) -> ExportOutcom
     """Convert (and verify) final/ into export_dir/<format>/ for each configured format.
 
     Raises ExportVerificationFailed, after writing export.json, when any verification fails."""
-    from lmforge.ckpt.verify import verify
+    from lmforge.export.verify import verify
 
     adapter = final / "adapter"
     is_adapter_run = (adapter / "adapter_config.json").is_file()

@@ -1,6 +1,6 @@
 """The result record every format converter returns.
 
-Kept apart from `lmforge.ckpt.convert` (the dispatcher) so that the converters in
+Kept apart from `lmforge.export.convert` (the dispatcher) so that the converters in
 `to_safetensors`, `to_gguf` and `to_onnx` can build it without importing the dispatcher
 that imports them.
 """

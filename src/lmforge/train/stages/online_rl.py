@@ -1,0 +1,79 @@
+"""The online RL stages, grpo and rloo, bound to TRL's GRPOTrainer and RLOOTrainer.
+
+lmforge supplies the values of their config classes: the generation and loss settings of
+`train.rl` and the rewards' weights (train/rl_stage.py builds the rewards and the reference copy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lmforge.config.schema import RlConfig, TrainConfig
+from lmforge.config.stages import stage_spec
+from lmforge.train.rewards import RewardSet
+from lmforge.train.stages.binding import TrlStage, trl_stage
+
+
+def rl_config_values(train: TrainConfig, rewards: RewardSet, *, use_vllm: bool) -> dict[str, Any]:
+    """GRPOConfig / RLOOConfig values from `train.rl` and the rewards' weights."""
+    rl = train.rl
+    values: dict[str, Any] = {
+        "num_generations": rl.group_size,
+        "max_completion_length": rl.max_completion_length,
+        "temperature": rl.temperature,
+        "top_p": rl.top_p,
+        "beta": rl.beta,
+        "epsilon": rl.epsilon,
+        "epsilon_high": rl.epsilon_high if rl.epsilon_high is not None else rl.epsilon,
+        "mask_truncated_completions": rl.mask_truncated_completions,
+        "reward_weights": rewards.weights,
+        # TRL's own completion printer writes rich tables to the console and parquet files;
+        # lmforge sends the samples to its sinks instead (train/rl_samples.py).
+        "log_completions": False,
+        "remove_unused_columns": False,  # the reference answers reach the reward functions as a column
+        # A micro-batch holds completions; evaluation needs whole groups of them.
+        "per_device_eval_batch_size": train.micro_batch_size * train.grad_accum,
+        "use_vllm": use_vllm,
+        "vllm_mode": "colocate",
+        # Only the reference model is loaded by TRL (from <run>/reference/, reference_model_path):
+        # in the dtype it was saved in.
+        "model_init_kwargs": {"dtype": "auto"},
+    }
+    values.update(_LOSS_VALUES[train.stage](rl))
+    return values
+
+
+def _grpo_loss_values(rl: RlConfig) -> dict[str, Any]:
+    """GRPO's loss variants: train.rl.loss, GSPO being GRPO's loss over sequence-level ratios."""
+    return {
+        "loss_type": "grpo" if rl.loss == "gspo" else rl.loss,
+        "importance_sampling_level": "sequence" if rl.loss == "gspo" else "token",
+        "scale_rewards": rl.scale_rewards,
+    }
+
+
+def _rloo_loss_values(rl: RlConfig) -> dict[str, Any]:
+    """RLOO has its own estimator; only an explicit train.rl.scale_rewards reaches it."""
+    if "scale_rewards" in rl.model_fields_set:
+        return {"normalize_advantages": rl.scale_rewards != "none"}
+    return {}
+
+
+# Every stage whose spec is online_rl, by name: the config values of its own loss.
+_LOSS_VALUES: dict[str, Callable[[RlConfig], dict[str, Any]]] = {
+    "grpo": _grpo_loss_values,
+    "rloo": _rloo_loss_values,
+}
+
+
+def online_rl_stage(train: TrainConfig, rewards: RewardSet, *, use_vllm: bool) -> TrlStage:
+    """The TRL trainer of `train.stage` (grpo or rloo), given the reward functions."""
+    spec = stage_spec(train.stage)
+    return trl_stage(
+        spec.trainer,
+        spec.arguments,
+        rl_config_values(train, rewards, use_vllm=use_vllm),
+        takes_reference=False,  # TRL loads the reference itself (train/rl_stage.py's reference_model_path)
+        extra={"reward_funcs": rewards.functions},
+    )
