@@ -80,6 +80,7 @@ BUILDERS: dict[str, Callable[[], Any]] = {
     "accelerate.state:AcceleratorState.device_mesh": _accelerator_state,
     "transformers.modeling_utils:PreTrainedModel.all_tied_weights_keys": _tiny_model,
     "transformers.models.llama.modeling_llama:LlamaForCausalLM.lm_head": _tiny_model,
+    "transformers.models.llama.modeling_llama:LlamaModel.norm": lambda: _tiny_model().model,
     "transformers.modeling_utils:PreTrainedModel._loss_function": _model_with_replaced_loss,
     "torch.nn:Module._hf_hook": _hooked_module,
     "optuna.trial._trial:Trial._trial_id": _trial,
