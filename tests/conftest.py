@@ -82,3 +82,17 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rows = [{"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 60)))} for _ in range(300)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def word_documents(words: list[str], count: int, seed: int, *, max_words: int) -> list[str]:
+    """`count` seeded documents of 1 to max_words-1 words drawn from `words` (multi-byte ones included)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(words, size=int(rng.integers(1, max_words)))) for _ in range(count)]
+
+
+def write_jsonl(path: Path, texts: list[str]) -> Path:
+    """`texts` as {"text": ...} rows of a .jsonl file."""
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    return path

@@ -225,10 +225,10 @@ def test_yaml_alias_bomb_is_refused_in_seconds_and_plain_anchors_still_work(tmp_
     assert "refers to the node that contains it" in errors_of(recursive)
     # Anchors used the way people use them (one block shared by two sources) still load.
     shared = VALID.replace(
-        "    - path: corpus.txt\n", "    - &src {path: corpus.txt, weight: 2.0}\n    - *src\n"
+        "    - path: corpus.txt\n", "    - &src {path: corpus.txt, max_documents: 2}\n    - *src\n"
     )
     cfg = load_config(write(tmp_path, shared))
-    assert [source.weight for source in cfg.data.train] == [2.0, 2.0]
+    assert [source.max_documents for source in cfg.data.train] == [2, 2]
 
 
 def test_null_means_the_default_for_keys_that_have_one(tmp_path: Path) -> None:
@@ -236,3 +236,29 @@ def test_null_means_the_default_for_keys_that_have_one(tmp_path: Path) -> None:
     assert cfg.train.warmup_steps == 0 and cfg.train.lora.r == 8
     # Where None means something of its own (no step limit), it is kept.
     assert load_config(write(tmp_path, VALID), ["train.max_steps=null"]).train.max_steps is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "words"),
+    [
+        (["data.streaming=true", "data.store.tasks=2"], "data.streaming", "choose one"),
+        (["data.streaming=true", "train.max_steps=null"], "train.max_steps", "no length"),
+        (["data.streaming=true", "data.eval_fraction=0.1"], "data.eval_fraction", "cannot hold out"),
+        (["data.streaming=true", "distributed.tensor_parallel=2"], "data.streaming", "data.store"),
+        (["data.train.0.weight=2"], "data.train", "data.streaming: true or data.store"),
+        (["data.train.0.max_tokens=1000"], "data.train", "data.streaming: true or data.store"),
+        (["data.store.tasks=2", "data.train.0.max_documents=5"], "data.train", "use max_tokens"),
+        (["data.train.0.weight=0"], "data.train.0.weight", "greater than 0"),
+        (["data.train.0.weight=-1"], "data.train.0.weight", "greater than 0"),
+    ],
+)
+def test_streaming_and_store_settings_that_cannot_work_are_refused_naming_the_key(
+    tmp_path: Path, overrides: list[str], key: str, words: str
+) -> None:
+    errors = errors_of(write(tmp_path, VALID), overrides)
+    assert key in errors and words in errors, errors
+
+
+def test_the_store_holds_pretraining_text_only(tmp_path: Path) -> None:
+    errors = errors_of(write(tmp_path, VALID), ["train.stage=dpo", "data.store.tasks=2"])
+    assert "data.store" in errors and "pretraining text" in errors

@@ -2,7 +2,9 @@
 
 Each strategy trains the same tiny model on the same data as one process with the same global
 batch (2 ranks x 2 sequences = 1 x 4) and seed; the loss curves must agree, and a run resumed
-from the strategy's own mid-run checkpoint must continue the same curve.
+from the strategy's own mid-run checkpoint must continue the same curve. That resume also checks
+that it runs no code from the checkpoints (reliability issue, item 1): the two newer checkpoints
+hold a planted pickle, and are skipped (tests/test_resume_safety.py has the rest of that promise).
 
 Tolerance: the engines compute the same global-token-mean gradient as the single process, but
 sum it in another order (per-rank partial sums, then an all-reduce; DeepSpeed also flattens
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import socket
 import subprocess
 from pathlib import Path
@@ -30,7 +33,8 @@ from safetensors.torch import load_file
 
 from lmforge.ckpt.atomic import check_checkpoint
 from lmforge.export.consolidate import consolidate
-from tests.conftest import SMALL_ARCH, run_cli
+from tests.conftest import SMALL_ARCH, reseal, run_cli
+from tests.test_resume_safety import plant
 
 TOLERANCE = 1e-4
 STEPS = 8
@@ -127,8 +131,25 @@ def held_shares(stderr: str) -> dict[int, float]:
     return {int(r): int(x.replace(",", "")) / int(y.replace(",", "")) for r, x, y in found}
 
 
+# Slots each engine's loader unpickles in full, one in each of the two newest checkpoints (steps 8
+# and 6): a planted pickle there must be skipped, naming the file, and the run resumes from step 4.
+PLANTED = {
+    "ddp": {8: "optimizer.pt", 6: "scheduler.pt"},
+    "fsdp": {8: "pytorch_model_fsdp_0/.metadata", 6: "optimizer_0/.metadata"},
+    "zero2": {
+        8: "global_step8/mp_rank_00_model_states.pt",
+        6: "global_step6/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    },
+    "zero3": {
+        8: "global_step8/zero_pp_rank_0_mp_rank_00_model_states.pt",
+        6: "global_step6/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    },
+}
+
+
 # ZeRO-2's case runs in `make test-integration` (CI time): ZeRO-3's takes the same DeepSpeed path, and
-# ZeRO-2 still trains, checkpoints and resumes in CI in tests/test_resume_safety.py and
+# ZeRO-2 still trains, checkpoints and resumes past planted pickles in CI in
+# test_a_zero2_run_resumes_past_planted_pickles_and_never_runs_them below, and in
 # tests/test_consolidate.py.
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=pytest.mark.integration) if n == "zero2" else n for n in STRATEGIES]
@@ -136,9 +157,9 @@ def held_shares(stderr: str) -> dict[int, float]:
 def test_two_processes_match_one_and_resume_from_their_own_checkpoint(
     name: str, tmp_path: Path, corpus: Path, single_process_curve: dict[int, float]
 ) -> None:
-    config = write(
-        tmp_path / f"{name}.yaml", base_config(tmp_path, corpus, name, micro_batch=2, **STRATEGIES[name])
-    )
+    settings = base_config(tmp_path, corpus, name, micro_batch=2, **STRATEGIES[name])
+    settings["train"] = {**settings["train"], "save_every": 2}  # steps 2, 4, 6, 8: the resume below
+    config = write(tmp_path / f"{name}.yaml", settings)
     result = torchrun(config)
     assert result.returncode == 0, result.stderr[-4000:]
     run_dir = tmp_path / name
@@ -191,26 +212,41 @@ def test_two_processes_match_one_and_resume_from_their_own_checkpoint(
     assert sorted(final) == sorted(consolidated)
     assert all(torch.equal(final[k], consolidated[k]) for k in final)
 
-    # Resume a second run from the middle checkpoint: steps 5..8 continue the same curve.
-    resumed_config = dict(yaml.safe_load(config.read_text()))
-    resumed_config["run"] = {**resumed_config["run"], "name": f"{name}-resumed"}
-    resumed_config["train"] = {**resumed_config["train"], "resume": str(middle)}
-    resumed = torchrun(write(tmp_path / "resumed.yaml", resumed_config))
+    # Resume from the middle checkpoint, as after a crash before final/: the same command again.
+    # The two newer checkpoints hold a pickle that runs code when unpickled (their hash manifests
+    # recomputed, so they look sealed): both are skipped, naming the file, and none of it runs.
+    marker = tmp_path / "PWNED"
+    for step, slot in PLANTED[name].items():
+        target = run_dir / "checkpoints" / f"step-{step}" / slot
+        assert target.is_file(), sorted(p.name for p in target.parent.iterdir())
+        plant(target, marker)
+        reseal(run_dir / "checkpoints" / f"step-{step}")
+    (run_dir / "final").rename(tmp_path / "final-of-first-run")
+    resumed = torchrun(config)
+    assert not marker.exists(), "code from a checkpoint ran"
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    again = losses(tmp_path / f"{name}-resumed")
-    assert sorted(again) == list(range(STEPS // 2 + 1, STEPS + 1))
+    for step, slot in PLANTED[name].items():
+        said = f"step-{step}: " in resumed.stderr and Path(slot).name in resumed.stderr
+        assert said, resumed.stderr[-4000:]
+    assert "posix.system" in resumed.stderr and "weights_only=False" not in resumed.stderr
+    assert f"resuming from {middle} (" in resumed.stderr
+    # Steps 5..8 are trained again, once each, and continue the same curve.
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, STEPS + 1))
+    again = losses(run_dir)
     assert max(abs(again[s] - curve[s]) for s in again) < TOLERANCE, (again, curve)
 
 
 @pytest.fixture(scope="module")
 def zero2_stopped_by_a_nan(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> tuple[Any, Path, dict]:
-    """A ZeRO-2 run on 2 processes whose rank 1 gets a NaN loss at step 3 (the launch's result,
-    its output root, its config). One run serves two tests: the stop, and the refusals to resume
-    its step-2 checkpoint under another stage or engine."""
+    """A ZeRO-2 run on 2 processes, checkpointed at every step, whose rank 1 gets a NaN loss at
+    step 4 (the launch's result, its output root, its config). One run serves three tests: the
+    stop, the refusals to resume its step-2 checkpoint under another stage or engine, and the
+    resume past planted pickles."""
     root = tmp_path_factory.mktemp("zero2")
     config = base_config(root, corpus, "nan", micro_batch=2, strategy="deepspeed", zero_stage=2)
-    config["train"] = {**config["train"], "max_steps": 5, "save_every": 2}
-    config["debug"] = {"faults": [{"kind": "nan", "step": 3, "rank": 1}]}
+    config["train"] = {**config["train"], "max_steps": 5, "save_every": 1}
+    config["debug"] = {"faults": [{"kind": "nan", "step": 4, "rank": 1}]}
     return torchrun(write(root / "nan.yaml", config)), root, config
 
 
@@ -245,17 +281,56 @@ def test_deepspeed_stops_on_a_nan_step_at_its_last_good_checkpoint(
     result, root, _ = zero2_stopped_by_a_nan
     assert result.returncode != 0
     assert "nonfinite=skip and spike=skip act as stop" in result.stderr
-    assert "the last good state is checkpoints/step-2" in result.stderr
+    assert "the last good state is checkpoints/step-3" in result.stderr
     events = [
         json.loads(line)
         for f in (root / "nan" / "events").glob("*.jsonl")
         for line in f.read_text().splitlines()
     ]
     assert [(e["kind"], e["step"]) for e in events if e["kind"] in ("nonfinite", "stopped")] == [
-        ("nonfinite", 3),
-        ("stopped", 3),
+        ("nonfinite", 4),
+        ("stopped", 4),
     ]
-    assert sorted(p.name for p in (root / "nan" / "checkpoints").glob("step-*")) == ["step-2"]
+    assert sorted(p.name for p in (root / "nan" / "checkpoints").glob("step-*")) == [
+        "step-1",
+        "step-2",
+        "step-3",
+    ]
+
+
+def test_a_zero2_run_resumes_past_planted_pickles_and_never_runs_them(
+    tmp_path: Path, zero2_stopped_by_a_nan: tuple[Any, Path, dict]
+) -> None:
+    """The stopped run's command again, without the fault: a pickle that runs code is planted in
+    DeepSpeed's model states of step-3 and optimizer states of step-2 (manifests recomputed); both
+    are skipped, naming the file, none of it runs, and the run resumes from step-1 to its end."""
+    _, root, written = zero2_stopped_by_a_nan
+    run_dir = tmp_path / "nan"
+    shutil.copytree(root / "nan", run_dir)  # the other tests read the fixture's own checkpoints
+    config = write(
+        tmp_path / "nan.yaml",
+        {**written, "debug": {}, "run": {**written["run"], "output_dir": str(tmp_path)}},
+    )
+    marker = tmp_path / "PWNED"
+    slots = {
+        3: "global_step3/mp_rank_00_model_states.pt",
+        2: "global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    }
+    for step, slot in slots.items():
+        target = run_dir / "checkpoints" / f"step-{step}" / slot
+        assert target.is_file(), sorted(p.name for p in target.parent.iterdir())
+        plant(target, marker)
+        reseal(run_dir / "checkpoints" / f"step-{step}")
+    resumed = torchrun(config)
+    assert not marker.exists(), "code from a checkpoint ran"
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    for step, slot in slots.items():
+        said = f"step-{step}: " in resumed.stderr and Path(slot).name in resumed.stderr
+        assert said, resumed.stderr[-4000:]
+    assert "posix.system" in resumed.stderr and "weights_only=False" not in resumed.stderr
+    assert f"resuming from {run_dir / 'checkpoints' / 'step-1'} (" in resumed.stderr
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]  # 2-5 replayed, once each
 
 
 @pytest.mark.integration  # DeepSpeed JIT-compiles its CPU Adam on first use: ~2.5 minutes here

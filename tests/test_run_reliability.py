@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,6 +77,26 @@ def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     result = run_cli("train", str(config_for(tmp_path, corpus)))
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp_path / "runs" / "base"
+
+
+@pytest.fixture(scope="module")
+def crashed_at_6(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
+    """The run directory of the reference's config killed (SIGKILL) right after step 6's checkpoint,
+    before final/. One crash serves the tests that resume it: each takes a copy (`copy_of`)."""
+    tmp_path = tmp_path_factory.mktemp("crashed")
+    crashed = run_cli("train", str(config_for(tmp_path, corpus)), "debug.crash_at_step=6")
+    assert crashed.returncode < 0, crashed.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "base"
+    assert not (run_dir / "final").exists()
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-2", "step-4", "step-6"]
+    return run_dir
+
+
+def copy_of(run_dir: Path, tmp_path: Path, corpus: Path) -> Path:
+    """A module fixture's run directory copied to tmp_path/runs/base, for a test to change; returns
+    the config of the command that wrote it, writing there."""
+    shutil.copytree(run_dir, tmp_path / "runs" / "base", symlinks=True)
+    return config_for(tmp_path, corpus)
 
 
 # -- 2. run.name cannot escape, deletes stay inside ------------------------------------------
@@ -145,11 +166,9 @@ def test_rerunning_a_finished_run_trains_nothing_and_keeps_final(reference: Path
 
 
 def test_crash_after_the_last_checkpoint_completes_final_without_another_step(
-    tmp_path: Path, corpus: Path, reference: Path
+    tmp_path: Path, corpus: Path, reference: Path, crashed_at_6: Path
 ) -> None:
-    config = config_for(tmp_path, corpus)
-    crashed = run_cli("train", str(config), "debug.crash_at_step=6")
-    assert crashed.returncode < 0  # SIGKILL right after step 6's checkpoint, before final/
+    config = copy_of(crashed_at_6, tmp_path, corpus)  # SIGKILL right after step 6's checkpoint
     run_dir = tmp_path / "runs" / "base"
     assert not (run_dir / "final").exists()
     result = run_cli("train", str(config))
@@ -158,16 +177,17 @@ def test_crash_after_the_last_checkpoint_completes_final_without_another_step(
     assert steps_of(run_dir) == list(range(1, 7)) and same_weights(run_dir, reference)
 
 
-def test_extending_a_finished_run_is_explicit_and_recorded(tmp_path: Path, corpus: Path) -> None:
-    config = config_for(tmp_path, corpus, max_steps=4)
-    assert run_cli("train", str(config)).returncode == 0
-    result = run_cli("train", str(config), "train.max_steps=6")
+def test_extending_a_finished_run_is_explicit_and_recorded(
+    tmp_path: Path, corpus: Path, reference: Path
+) -> None:
+    config = copy_of(reference, tmp_path, corpus)  # a run finished at step 6
+    result = run_cli("train", str(config), "train.max_steps=8")
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "runs" / "base"
-    assert steps_of(run_dir) == list(range(1, 7))
+    assert steps_of(run_dir) == list(range(1, 9))
     extended = [e for e in events_of(run_dir) if e["kind"] == "extended"]
-    assert len(extended) == 1 and "from step 4 to step 6" in extended[0]["message"]
-    assert json.loads((run_dir / "final" / "lmforge_finished.json").read_text())["step"] == 6
+    assert len(extended) == 1 and "from step 6 to step 8" in extended[0]["message"]
+    assert json.loads((run_dir / "final" / "lmforge_finished.json").read_text())["step"] == 8
 
 
 # -- 4. secrets given as overrides -------------------------------------------------------------
@@ -298,10 +318,9 @@ def test_an_output_directory_that_cannot_be_created_exits_2(tmp_path: Path, corp
 
 
 def test_self_consistent_garbage_checkpoints_are_skipped_for_the_previous_one(
-    tmp_path: Path, corpus: Path, reference: Path
+    tmp_path: Path, corpus: Path, reference: Path, crashed_at_6: Path
 ) -> None:
-    config = config_for(tmp_path, corpus)
-    assert run_cli("train", str(config), "debug.crash_at_step=6").returncode < 0
+    config = copy_of(crashed_at_6, tmp_path, corpus)
     checkpoints = tmp_path / "runs" / "base" / "checkpoints"
     (checkpoints / "step-6" / "model.safetensors").write_bytes(os.urandom(4096))
     reseal(checkpoints / "step-6")
@@ -329,10 +348,9 @@ def nan_weights(checkpoint: Path) -> None:
 
 
 def test_nan_checkpoints_are_never_resumed_and_sigterm_after_done_exits_0(
-    tmp_path: Path, corpus: Path, reference: Path
+    tmp_path: Path, corpus: Path, reference: Path, crashed_at_6: Path
 ) -> None:
-    config = config_for(tmp_path, corpus)
-    assert run_cli("train", str(config), "debug.crash_at_step=6").returncode < 0
+    config = copy_of(crashed_at_6, tmp_path, corpus)
     run_dir = tmp_path / "runs" / "base"
     checkpoints = run_dir / "checkpoints"
     good = (checkpoints / "step-4" / "model.safetensors").read_bytes()

@@ -77,6 +77,7 @@ BUILDERS: dict[str, Callable[[], Any]] = {
     "transformers.trainer:Trainer.is_fsdp_enabled": _trained_trainer,
     "transformers.trainer:Trainer.gather_function": _trained_trainer,
     "transformers.trainer:Trainer.optimizer": _trained_trainer,
+    "transformers.trainer:Trainer.control": _trained_trainer,
     "accelerate.state:AcceleratorState.device_mesh": _accelerator_state,
     "transformers.modeling_utils:PreTrainedModel.all_tied_weights_keys": _tiny_model,
     "transformers.models.llama.modeling_llama:LlamaForCausalLM.lm_head": _tiny_model,

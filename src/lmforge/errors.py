@@ -29,6 +29,16 @@ class TrainingStopped(Exception):
     """The guardrails stopped the run; a checkpoint of the last good state was saved (exit code 3)."""
 
 
+class DataSourceLost(Exception):
+    """A data file a stream was reading disappeared or became unreadable during the run: the
+    trainer stops with a checkpoint, naming the file, instead of a traceback. The message alone
+    rebuilds it (a DataLoader worker's exception is re-raised in the main process that way)."""
+
+    def __init__(self, message: str, path: Path | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
 class WorkFailed(Exception):
     """A failure during work that lmforge can explain (a full disk, an unwritable file): the message
     says what and where, without a traceback (exit code 1)."""

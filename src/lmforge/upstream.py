@@ -75,6 +75,16 @@ REGISTRY: tuple[Coupling, ...] = (
              "online RL (TRL GRPO / RLOO) generates its completions here: count their tokens once "
              "(TRL's own addition to num_input_tokens_seen is undone)",
              ("self", "inputs")),
+    Coupling(f"{_TRAINER}.get_train_dataloader", "override", _STEP,
+             "a stream's loader is torchdata's StatefulDataLoader built here (the stream reads only this "
+             "rank's part; accelerate would split it again), its saved position restored on resume",
+             ("self",)),
+    Coupling(f"{_TRAINER}._save_checkpoint", "private_call", _STEP,
+             "a source lost mid-stream stops the run with a checkpoint of the last finished step, written "
+             "as a scheduled save writes it", ("self", "model", "trial")),
+    Coupling(f"{_TRAINER}.control", "attribute", _STEP,
+             "that stop's save runs the on_save callbacks (they seal the checkpoint), as HF's own save does",
+             set_in=f"{_TRAINER}.__init__"),
     Coupling(f"{_TRAINER}.get_batch_samples", "override", _STEP,
              "time the wait for data (data-wait share) and the slow_data drill",
              ("self", "epoch_iterator", "num_batches", "device")),

@@ -8,16 +8,26 @@ import os
 import signal
 import sys
 import threading
+from enum import Enum
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import typer
 
 from lmforge.cli.ckpt import print_export
 from lmforge.cli.console import OVERRIDES_HELP, VERBOSE_HELP, apply_verbosity, console
 from lmforge.config import load_config
+from lmforge.config.schema import TokenStoreConfig
 from lmforge.distributed.worker_failures import record_worker_errors
+
+
+class StoreExecutor(str, Enum):
+    """The datatrove executors `lmforge prepare --executor` accepts (data.store.executor)."""
+
+    local = "local"
+    slurm = "slurm"
+    ray = "ray"
 
 
 @record_worker_errors  # a failed worker's error reaches `lmforge launch`
@@ -113,14 +123,35 @@ def prepare(
     show: int = typer.Option(
         0, "--show", help="Print N training samples with the tokens that carry loss highlighted."
     ),
+    executor: StoreExecutor | None = typer.Option(
+        None,
+        "--executor",
+        help="Build the sharded token store (data.store) with this datatrove executor; overrides "
+        "data.store.executor, and uses the store with its defaults where data.store is unset.",
+    ),
+    tasks: int | None = typer.Option(None, "--tasks", min=1, help="Token store tasks (data.store.tasks)."),
+    workers: int | None = typer.Option(
+        None, "--workers", min=-1, help="Tasks run at once by the local executor (data.store.workers)."
+    ),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Token store: tokenize nothing; print the plan, or write and check the Slurm script.",
+    ),
 ) -> None:
     """Data stage only: load, validate, tokenize, pack and cache the data; print the data report.
 
-    `lmforge train` with the same config reuses the cache.
+    `lmforge train` with the same config reuses the cache. With data.store (or --executor) the
+    sources are tokenized into a sharded token store instead, by datatrove tasks.
 
     Example: `lmforge prepare examples/sft_lora.yaml --show 2`
     """
     cfg = load_config(config, overrides)  # before the heavy imports: a bad config is answered at once
+    if cfg.data.store is not None or executor is not None:
+        if cfg.data.store is None:  # --executor alone: the store with its defaults
+            cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"store": TokenStoreConfig()})})
+        if not _build_token_store(cfg, executor, tasks, workers, dry_run):
+            return  # a dry run, or a Slurm / Ray job still to finish: nothing to report yet
     from rich.text import Text
 
     from lmforge.data.run_data import first_samples, prepare_run_data, supervised_runs
@@ -144,6 +175,34 @@ def prepare(
     if show and not data.conversational_rows:
         console.print("[dim]dim: context only (no loss)[/]   [bold green]green: tokens that carry loss[/]")
     console.print(f"data report written to {report_path}")
+
+
+def _build_token_store(
+    cfg: Any, executor: StoreExecutor | None, tasks: int | None, workers: int | None, dry_run: bool
+) -> bool:
+    """`lmforge prepare` with data.store: build (or finish) the token store; True once it is complete."""
+    from lmforge.data.run_data import resolve_cache_dir
+    from lmforge.data.token_store import build_token_store
+    from lmforge.data.token_store.build import ExecutorKind
+    from lmforge.data.tokenizer_source import obtain_tokenizer
+    from lmforge.run_layout import RunPaths
+
+    cache_dir = resolve_cache_dir(cfg)
+    paths = RunPaths(cfg.run.dir)
+    paths.root.mkdir(parents=True, exist_ok=True)
+    tokenizer = obtain_tokenizer(cfg, paths, cache_dir)
+    kind = cast("ExecutorKind", executor.value) if executor is not None else None
+    store = build_token_store(
+        cfg.data,
+        tokenizer,
+        seed=cfg.run.seed,
+        cache_dir=cache_dir,
+        executor=kind,
+        tasks=tasks,
+        workers=workers,
+        dry_run=dry_run,
+    )
+    return not dry_run and (store / "manifest.json").is_file()
 
 
 def _show_preference_rows(tokenizer: Any, data: Any, count: int) -> list[tuple[list[int], list[int]]]:

@@ -19,6 +19,72 @@ Rule = tuple[Callable[[LmforgeConfig], bool], str, str]
 
 RULES: list[Rule] = [
     (
+        lambda c: c.data.streaming and c.data.store is not None,
+        "data.streaming",
+        "choose one of data.streaming (read the sources while training) and data.store (tokenize into a "
+        "sharded token store first)",
+    ),
+    (
+        lambda c: c.data.store is not None and stage_spec(c.train.stage).data_kind != "text",
+        "data.store",
+        "the token store holds pretraining text (train.stage: pretrain); fine-tuning sets use the cache "
+        "or data.streaming",
+    ),
+    (
+        lambda c: c.data.streaming and stage_spec(c.train.stage).data_kind not in ("text", "chat"),
+        "data.streaming",
+        "streaming reads pretraining text and SFT conversations; preference and RL stages read their rows "
+        "from the cache: remove data.streaming",
+    ),
+    (
+        lambda c: (
+            c.data.streaming
+            and max(
+                c.distributed.tensor_parallel, c.distributed.context_parallel, c.distributed.pipeline_parallel
+            )
+            > 1
+        ),
+        "data.streaming",
+        "a stream is split over data-parallel ranks, and tensor / context / pipeline ranks must read the same "
+        "batch; use data.store (a map-style token store the sampler splits by data rank) with these layouts",
+    ),
+    (
+        lambda c: c.data.streaming and c.train.max_steps is None,
+        "train.max_steps",
+        "a stream has no length to count epochs in; set train.max_steps",
+    ),
+    (
+        lambda c: c.data.streaming and c.data.eval_fraction > 0,
+        "data.eval_fraction",
+        "a stream cannot hold out blocks it has not read yet; set data.eval sources (read whole, cached) "
+        "and data.eval_fraction: 0",
+    ),
+    (
+        lambda c: (
+            stage_spec(c.train.stage).data_kind == "text"
+            and not c.data.streaming
+            and c.data.store is None
+            and any(s.weight != 1.0 or s.max_tokens is not None for s in c.data.train)
+        ),
+        "data.train",
+        "source weights and max_tokens mix pretraining sources block by block, which the single cache (one "
+        "stream of all sources) does not do; set data.streaming: true or data.store: {} (or remove them)",
+    ),
+    (
+        lambda c: (
+            stage_spec(c.train.stage).data_kind != "text"
+            and any(s.max_tokens is not None for s in c.data.train)
+        ),
+        "data.train",
+        "max_tokens budgets pretraining text; for fine-tuning rows use max_documents",
+    ),
+    (
+        lambda c: c.data.store is not None and any(s.max_documents is not None for s in c.data.train),
+        "data.train",
+        "the token store's tasks read their files independently, so a source-wide max_documents cannot be "
+        "applied; use max_tokens (a budget applied when training reads the store)",
+    ),
+    (
         lambda c: c.data.padding_free and c.model.attn_implementation != "flash_attention_2",
         "data.padding_free",
         "padding-free batches keep samples apart only under flash_attention_2 (sdpa/eager would let them "

@@ -190,6 +190,50 @@ class SourceConfig(Section):
     max_documents: int | None = Field(
         None, ge=1, description="Read at most this many documents from this source."
     )
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Token budget of this source in the training mix (text under data.streaming or data.store): "
+        "it contributes at most this many tokens, its weight applied first.",
+    )
+
+
+class SlurmStoreConfig(Section):
+    partition: str | None = Field(None, description="Slurm partition the tokenization tasks run on.")
+    time: str = Field("12:00:00", description="Slurm time limit per task (HH:MM:SS).")
+    cpus_per_task: int = Field(1, ge=1, description="CPUs per tokenization task.")
+    mem_per_cpu_gb: float = Field(2.0, gt=0, description="Memory per CPU in GB.")
+    venv: str | None = Field(
+        None, description="Virtual environment the job activates (path to bin/activate)."
+    )
+    sbatch_args: dict[str, str] = Field(
+        default_factory=dict, description="Extra #SBATCH directives, for example {account: my-account}."
+    )
+
+
+class TokenStoreConfig(Section):
+    path: Path | None = Field(
+        None,
+        description="Directory of the sharded token store; defaults to <cache_dir>/store-<fingerprint>. Point "
+        "it at shared storage (NFS, Lustre) when Slurm or Ray tasks write it.",
+    )
+    tasks: int = Field(
+        1,
+        ge=1,
+        description="Tokenization tasks; the input files are dealt to them, each writes its own shards.",
+    )
+    workers: int = Field(
+        -1,
+        ge=-1,
+        description="Tasks run at once by the local executor (-1: one per CPU core, at most `tasks`).",
+    )
+    executor: Literal["local", "slurm", "ray"] = Field(
+        "local",
+        description="The datatrove executor that runs the tasks: local processes, a Slurm job array, or Ray.",
+    )
+    slurm: SlurmStoreConfig = Field(
+        default_factory=SlurmStoreConfig, description="Slurm settings, with executor: slurm."
+    )
 
 
 class DataConfig(Section):
@@ -236,6 +280,17 @@ class DataConfig(Section):
     )
     cache_dir: Path | None = Field(
         None, description="Where prepared data is cached; defaults to $LMFORGE_CACHE or ~/.cache/lmforge."
+    )
+    streaming: bool = Field(
+        False,
+        description="Read the sources lazily while training (local shards, globs, hub or remote datasets): "
+        "tokenized and packed on the fly, each rank and dataloader worker reading its own part, nothing "
+        "cached. Needs train.max_steps.",
+    )
+    store: TokenStoreConfig | None = Field(
+        None,
+        description="Pretraining: tokenize into a sharded token store (a datatrove pipeline of `tasks` tasks; "
+        "`lmforge prepare --executor`) and train from it memory-mapped, for corpora too big for one cache.",
     )
 
     @field_validator("chat_template", mode="before")

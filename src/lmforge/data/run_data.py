@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,13 @@ class RunData:
     collator: Callable[[list[Any]], dict[str, Any]] | None  # None: the TRL trainer's own
     fingerprint: str
     report: dict[str, Any]
+    # A stream's report from its readers' states, rewritten while training (None: the report is final).
+    stream_report: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None
+
+    @property
+    def streaming(self) -> bool:
+        """The training set is read as a stream: no length, a position instead."""
+        return isinstance(self.train, torch.utils.data.IterableDataset)
 
     @property
     def conversational_rows(self) -> bool:
@@ -49,24 +56,36 @@ def resolve_cache_dir(cfg: LmforgeConfig) -> Path:
 
 
 def prepare_data_for_run(
-    cfg: LmforgeConfig, paths: RunPaths, *, write_report: bool = True, for_training: bool = True
+    cfg: LmforgeConfig,
+    paths: RunPaths,
+    *,
+    write_report: bool = True,
+    for_training: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> tuple[PreTrainedTokenizerBase, RunData]:
     """Tokenizer and prepared data for the run in `paths`; writes data_report.json there
     (rank 0 of a distributed run; the others read the same cache and report nothing).
-    `for_training` also checks that the data fills one micro-batch (eval needs no such check)."""
+    `for_training` also checks that the data fills one micro-batch (eval needs no such check).
+    `rank` / `world_size`: this process's place among the data-parallel ranks, whose parts of a
+    stream differ."""
     paths.root.mkdir(parents=True, exist_ok=True)
     cache_dir = resolve_cache_dir(cfg)
     tokenizer = obtain_tokenizer(cfg, paths, cache_dir)
     data_kind = stage_spec(cfg.train.stage).data_kind
-    if data_kind == "text":
+    if data_kind == "text" and cfg.data.streaming:
+        data = _text_stream(cfg, tokenizer, cache_dir, rank, world_size)
+    elif data_kind == "text" and cfg.data.store is not None:
+        data = _token_store_data(cfg, tokenizer, cache_dir)
+    elif data_kind == "text":
         data = _pretraining_data(cfg, tokenizer, cache_dir)
     elif data_kind == "chat":
-        data = _sft_data(cfg, tokenizer, cache_dir, paths)
+        data = _sft_data(cfg, tokenizer, cache_dir, paths, rank, world_size)
     else:
         data = _preference_data(cfg, tokenizer, cache_dir, paths)
     if write_report:
         paths.data_report.write_text(json.dumps(data.report, indent=2), encoding="utf-8")
-    if for_training:
+    if for_training and not data.streaming:  # a stream has no size to check; it starts over at its end
         check_micro_batch_fits(cfg, data)
     return tokenizer, data
 
@@ -129,8 +148,12 @@ def _preference_data(
 def first_samples(data: RunData, count: int) -> list[tuple[list[int], list[int]]]:
     """(input_ids, labels) of the first `count` training samples, packed rows split into their samples."""
     samples: list[tuple[list[int], list[int]]] = []
-    for index in range(len(data.train)):  # type: ignore[arg-type]
-        item = data.train[index]
+    items: Iterable[Any] = (
+        iter(data.train)  # a stream's head: what training reads first (rank 0, no worker)
+        if data.streaming
+        else (data.train[index] for index in range(len(data.train)))  # type: ignore[arg-type]
+    )
+    for item in items:
         ids, labels = item["input_ids"], item["labels"]
         if len(ids) and isinstance(ids[0], list):  # a packed row: one list per sample
             samples.extend(zip(ids, labels, strict=True))
@@ -168,13 +191,95 @@ def _pretraining_data(cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase, ca
     )
 
 
-def _sft_data(
-    cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase, cache_dir: Path, paths: RunPaths
+def _token_store_data(cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase, cache_dir: Path) -> RunData:
+    """Pretraining blocks read memory-mapped from the sharded token store. A store not built yet
+    is built here with the local executor (as the cache would be); one a Slurm or Ray job builds
+    must be finished first (`lmforge prepare CONFIG --executor ...`)."""
+    from lmforge.data.token_store import build_token_store, open_token_store
+    from lmforge.data.token_store.manifest import is_complete
+
+    settings = cfg.data.store
+    if (
+        settings is not None
+        and settings.executor == "local"
+        and not is_complete(cfg.data, tokenizer, cache_dir)
+    ):
+        build_token_store(cfg.data, tokenizer, seed=cfg.run.seed, cache_dir=cache_dir)
+    store = open_token_store(cfg.data, tokenizer, seed=cfg.run.seed, cache_dir=cache_dir)
+    return RunData(store.train, store.eval, default_data_collator, store.fingerprint, store.report)
+
+
+def _text_stream(
+    cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase, cache_dir: Path, rank: int, world_size: int
 ) -> RunData:
-    from lmforge.data.collate import PackedCollator, PaddedCollator, PaddingFreeCollator
+    """Pretraining text read while training: this rank's part of the sources as a stream of blocks.
+    Eval sources are read whole into the cache (eval repeats the same blocks every time)."""
+    from lmforge.data.streaming import TextStream, stream_report
+    from lmforge.data.text import BlockDataset, prepare_pretraining_data
+
+    stream = TextStream(
+        cfg.data.train,
+        tokenizer,
+        max_length=cfg.data.max_length,
+        seed=cfg.run.seed,
+        rank=rank,
+        world_size=world_size,
+    )
+    evaluation: Dataset | None = None
+    report: dict[str, Any] = {"streaming": True, "sources": [s.path for s in cfg.data.train]}
+    if cfg.data.eval:
+        eval_only = cfg.data.model_copy(update={"train": cfg.data.eval, "eval": [], "streaming": False})
+        blocks = prepare_pretraining_data(eval_only, tokenizer, seed=cfg.run.seed, cache_dir=cache_dir)
+        evaluation = BlockDataset(blocks.train_blocks)
+        report["eval"] = blocks.report["train"]
+        report["eval_blocks"] = len(blocks.train_blocks)
+    fingerprint = stream_fingerprint(cfg, tokenizer)
+    return RunData(
+        stream, evaluation, default_data_collator, fingerprint, report, stream_report=stream_report
+    )
+
+
+def stream_fingerprint(cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase) -> str:
+    """What decides a stream's blocks: its sources' settings and files (path, size, modification
+    time: a stream's corpus is too big to hash at every start), the tokenizer and the block length;
+    a resume whose stream would differ is told so (provenance compares it)."""
+    import hashlib
+
+    from lmforge.data.hub import is_hub_source
+    from lmforge.data.source_paths import resolve_files
+    from lmforge.data.tokenizer import tokenizer_fingerprint
+
+    files: list[str] = []
+    keyed = [(f"data.train.{i}.path", s) for i, s in enumerate(cfg.data.train)]
+    keyed += [(f"data.eval.{i}.path", s) for i, s in enumerate(cfg.data.eval)]
+    for key, source in keyed:
+        files.append(source.model_dump_json())
+        if not is_hub_source(source.path) and not source.path.startswith("builtin:"):
+            for file in resolve_files(source, key=key):
+                status = file.stat()
+                files.append(f"{file.resolve()}|{status.st_size}|{status.st_mtime_ns}")
+    parts = {
+        "code": "stream-v1",
+        "files": files,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "max_length": cfg.data.max_length,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def _sft_data(
+    cfg: LmforgeConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    cache_dir: Path,
+    paths: RunPaths,
+    rank: int = 0,
+    world_size: int = 1,
+) -> RunData:
     from lmforge.data.ragged import PackedDataset, SampleDataset
     from lmforge.data.sft import prepare_sft_data
 
+    if cfg.data.streaming:
+        return _chat_stream(cfg, tokenizer, cache_dir, paths, rank, world_size)
     sft = prepare_sft_data(
         cfg.data,
         tokenizer,
@@ -186,21 +291,72 @@ def _sft_data(
         # Eval rows are packed among themselves only: no eval sample ever shares a row with train.
         train: Dataset = PackedDataset(sft.train, cfg.data.max_length)
         evaluation: Dataset | None = PackedDataset(sft.eval, cfg.data.max_length) if sft.eval else None
+    else:
+        train = SampleDataset(sft.train)
+        evaluation = SampleDataset(sft.eval) if sft.eval else None
+    return RunData(train, evaluation, sft_collator(cfg, tokenizer), sft.fingerprint, sft.report)
+
+
+def sft_collator(
+    cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase
+) -> Callable[[list[Any]], dict[str, Any]]:
+    """The SFT batches' collator: packed rows with their attention kept apart, padding-free rows, or padded."""
+    from lmforge.data.collate import PackedCollator, PaddedCollator, PaddingFreeCollator
+
+    if cfg.data.packing:
         # The mask's form depends on the kernel: boolean for sdpa, additive for eager (a boolean
         # mask under eager would silently let samples attend to each other).
         flex = cfg.model.attn_implementation == "flex_attention"
-        collator: Callable[[list[Any]], dict[str, Any]] = PackedCollator(
+        return PackedCollator(
             pad_token_id=tokenizer.pad_token_id,
             attn_implementation=cfg.model.attn_implementation,
             dtype=getattr(torch, cfg.model.dtype),  # model.dtype names a torch dtype: "bfloat16", ...
             # FlexAttention's kernel is compiled per row length: one length, one compile.
             pad_to_multiple_of=cfg.data.max_length if flex else None,
         )
-    else:
-        train = SampleDataset(sft.train)
-        evaluation = SampleDataset(sft.eval) if sft.eval else None
-        if cfg.data.padding_free:
-            collator = PaddingFreeCollator()
-        else:
-            collator = PaddedCollator(pad_token_id=tokenizer.pad_token_id)
-    return RunData(train, evaluation, collator, sft.fingerprint, sft.report)
+    if cfg.data.padding_free:
+        return PaddingFreeCollator()
+    return PaddedCollator(pad_token_id=tokenizer.pad_token_id)
+
+
+def _chat_stream(
+    cfg: LmforgeConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    cache_dir: Path,
+    paths: RunPaths,
+    rank: int,
+    world_size: int,
+) -> RunData:
+    """SFT conversations read while training: this rank's part as a stream of samples (or packed
+    rows). Eval sources are read whole into the cache, as the cached path reads them."""
+    from lmforge.data.ragged import PackedDataset, SampleDataset
+    from lmforge.data.sft import prepare_sft_data
+    from lmforge.data.streaming import ChatStream, stream_report
+
+    stream = ChatStream(
+        cfg.data,
+        tokenizer,
+        seed=cfg.run.seed,
+        rank=rank,
+        world_size=world_size,
+        quarantine_path=paths.root / "bad_rows.jsonl",
+    )
+    evaluation: Dataset | None = None
+    report: dict[str, Any] = {"streaming": True, "sources": [s.path for s in cfg.data.train]}
+    if cfg.data.eval:
+        eval_only = cfg.data.model_copy(update={"train": cfg.data.eval, "eval": [], "streaming": False})
+        sft = prepare_sft_data(
+            eval_only,
+            tokenizer,
+            seed=cfg.run.seed,
+            cache_dir=cache_dir,
+            quarantine_path=paths.root / "bad_rows.eval.jsonl",  # the stream's readers write the train file
+        )
+        evaluation = (
+            PackedDataset(sft.train, cfg.data.max_length) if cfg.data.packing else SampleDataset(sft.train)
+        )
+        report["eval"] = sft.report.get("train")
+    fingerprint = stream_fingerprint(cfg, tokenizer)
+    return RunData(
+        stream, evaluation, sft_collator(cfg, tokenizer), fingerprint, report, stream_report=stream_report
+    )

@@ -49,7 +49,7 @@ class SampleTokenizer:
             "max_length": self.cfg.max_length,
             "over_length": self.cfg.over_length,
         }
-        chunks = (list(map(_conversation, chunk)) for chunk in _chunks(examples, _TOKENIZE_CHUNK))
+        chunks = (list(map(as_conversation, chunk)) for chunk in _chunks(examples, _TOKENIZE_CHUNK))
         with tqdm(desc=f"tokenize {split}", unit="row") as bar:
             for chunk in _tokenized_chunks(chunks, self.tokenizer, settings, workers):
                 for reason in chunk.dropped:
@@ -141,7 +141,9 @@ def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
         yield chunk
 
 
-def _conversation(example: Any) -> Conversation:
+def as_conversation(example: Any) -> Conversation:
+    """`example` as a Conversation; UserInputError naming its row when it is another kind (a
+    preference or KTO row in an SFT dataset)."""
     if not isinstance(example, Conversation):
         raise UserInputError(
             f"{example.origin.file}:{example.origin.line}: a {type(example).__name__} row in an SFT "

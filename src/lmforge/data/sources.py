@@ -73,9 +73,14 @@ def iter_documents(
         )
 
 
+def is_empty_document(text: str) -> bool:
+    """Whether a document is skipped (and counted) rather than trained on: empty or whitespace only."""
+    return not text or text.isspace()
+
+
 def _limit_and_count(documents: Iterator[str], source: SourceConfig, stats: SourceStats) -> Iterator[str]:
     for text in documents:
-        if not text or text.isspace():
+        if is_empty_document(text):
             stats.empty_documents_skipped += 1
             continue
         stats.documents += 1
@@ -86,15 +91,25 @@ def _limit_and_count(documents: Iterator[str], source: SourceConfig, stats: Sour
 
 def _documents_of_files(files: list[Path], source: SourceConfig) -> Iterator[str]:
     for file in files:
-        suffix = file.suffix.lower()
-        if suffix in TEXT_SUFFIXES:
-            yield from _read_text(file, source.split)
-        elif suffix == ".jsonl":
-            yield from _read_jsonl(file, source.text_field)
-        elif suffix == ".json":
-            yield from _read_json(file, source.text_field)
-        else:
-            yield from _read_parquet(file, source.text_field)
+        yield from documents_of_file(file, source)
+
+
+def documents_of_file(file: Path, source: SourceConfig) -> Iterator[str]:
+    """Every document of one file of `source`, empty ones included, as `iter_documents` reads it:
+    the token store's tasks read their files one by one through this."""
+    if is_builtin(source.path):
+        # A built-in corpus is one document per file, undecodable bytes replaced (see corpus.py).
+        yield file.read_text(encoding="utf-8", errors="replace")
+        return
+    suffix = file.suffix.lower()
+    if suffix in TEXT_SUFFIXES:
+        yield from _read_text(file, source.split)
+    elif suffix == ".jsonl":
+        yield from _read_jsonl(file, source.text_field)
+    elif suffix == ".json":
+        yield from _read_json(file, source.text_field)
+    else:
+        yield from _read_parquet(file, source.text_field)
 
 
 def _decode(data: bytes, file: Path, first_line: int = 1) -> str:

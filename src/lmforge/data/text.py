@@ -204,7 +204,7 @@ class _TextKind:
         self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
         self.meta: dict[str, Any] = {"code_version": CODE_VERSION}
         self.timings: dict[str, float] = {"read_s": 0.0, "tokenize_s": 0.0, "pack_s": 0.0}
-        self.packer = _Packer(batch_encoder(tokenizer), _eos_id(tokenizer), cfg.max_length, self.timings)
+        self.packer = _Packer(batch_encoder(tokenizer), eos_id(tokenizer), cfg.max_length, self.timings)
 
     def fingerprint(self) -> str:
         return data_fingerprint(self.cfg, self.tokenizer, self.seed)
@@ -259,7 +259,7 @@ class _TextKind:
         }
 
 
-def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
+def eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
     if tokenizer.eos_token_id is None:
         raise UserInputError(
             f"tokenizer {tokenizer.name_or_path!r} has no eos_token, which pretraining data needs to "

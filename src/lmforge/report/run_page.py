@@ -210,6 +210,14 @@ def data_section(report: dict[str, Any] | None) -> str:
     if report is None:
         return '<p class="missing">no data_report.json</p>'
     parts = ["<h3>Kept and dropped</h3>", table(["what", "count"], _kept_dropped(report))]
+    mix = _mix_rows(report)
+    if mix:
+        title = (
+            "<h3>Mix of sources (trained on so far)</h3>"
+            if report.get("streaming")
+            else "<h3>Mix of sources (planned; the sampler shuffles it)</h3>"
+        )
+        parts += [title, table(["source", "weight", "tokens", "share", "epochs"], mix)]
     for split in ("train", "eval"):
         info = report.get(split)
         if not isinstance(info, dict):
@@ -323,6 +331,48 @@ def _kept_dropped(report: dict[str, Any]) -> list[list[Any]]:
         if isinstance(report.get(key), int):
             rows.append([key.replace("_", " "), report[key]])
     return rows
+
+
+def _mix_rows(report: dict[str, Any]) -> list[list[Any]]:
+    """One row per training source of a mixed stream or token store: its weight, the tokens it gave
+    the mix, their share, and how many passes over the source that was (an upsampled source > 1)."""
+    sources = _section(report, "train").get("sources") or []
+    mix = report.get("mix")
+    if not isinstance(mix, list):  # a token store plans its mix exactly: blocks per source
+        mix = _planned_mix(sources, report.get("block_length"))
+    if not mix:
+        return []
+    rows = []
+    for index, entry in enumerate(mix):
+        source = sources[index] if index < len(sources) and isinstance(sources[index], dict) else {}
+        epochs = entry.get("epochs", source.get("epochs", ""))
+        share = entry.get("share")
+        rows.append(
+            [
+                entry.get("path", index),
+                entry.get("weight", ""),
+                entry.get("tokens", ""),
+                f"{share:.1%}" if isinstance(share, int | float) else "",
+                fmt_number(epochs) if isinstance(epochs, int | float) else epochs,
+            ]
+        )
+    return rows
+
+
+def _planned_mix(sources: list[Any], block_length: Any) -> list[dict[str, Any]]:
+    planned = [s for s in sources if isinstance(s, dict) and "planned_blocks" in s]
+    if not planned or len(planned) != len(sources) or not isinstance(block_length, int):
+        return []
+    total = sum(s["planned_blocks"] for s in planned) or 1
+    return [
+        {
+            "path": s.get("path"),
+            "weight": s.get("weight"),
+            "tokens": s["planned_blocks"] * block_length,
+            "share": s["planned_blocks"] / total,
+        }
+        for s in planned
+    ]
 
 
 def _section(data: dict[str, Any], key: str) -> dict[str, Any]:

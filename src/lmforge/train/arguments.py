@@ -27,13 +27,15 @@ def build_training_arguments(
     seed: int,
     has_eval: bool,
     precision: str,
+    streaming: bool = False,
     args_class: type[TrainingArguments] = TrainingArguments,
     engine_args: dict[str, Any] | None = None,
     stage_args: dict[str, Any] | None = None,
 ) -> TrainingArguments:
     """HF TrainingArguments, or a TRL config class (`args_class`, a subclass): lmforge's values from
     `cfg`, then the distributed engine's (`engine_args`), then the stage's (`stage_args`).
-    `precision` is the plan's, resolved once for this device (fp32, bf16 or fp16)."""
+    `precision` is the plan's, resolved once for this device (fp32, bf16 or fp16). `streaming`: the
+    training data is a stream, whose resume restores its saved position instead of skipping batches."""
     use_cuda = torch.cuda.is_available()
     length = {"max_steps": cfg.max_steps} if cfg.max_steps else {"num_train_epochs": cfg.epochs}
     evaluate = has_eval and cfg.eval_every is not None
@@ -70,6 +72,9 @@ def build_training_arguments(
         save_total_limit=None,  # rotation happens on sealed checkpoints (CheckpointCommitCallback)
         seed=seed,
         dataloader_num_workers=cfg.dataloader_workers,
+        # A stream resumes from the position saved in its checkpoint (train/stream_loading.py);
+        # HF's skip would read and drop that many batches again after it.
+        ignore_data_skip=streaming,
         dataloader_pin_memory=use_cuda,
         report_to=[],  # sinks are attached explicitly by lmforge
         # lmforge's datasets and collators produce exactly the model's inputs; HF's column

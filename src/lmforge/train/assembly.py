@@ -37,6 +37,7 @@ from lmforge.train.moe_metrics import expert_load_callback
 from lmforge.train.profiling import ProfileCallback
 from lmforge.train.rl_samples import RlSamples
 from lmforge.train.stages.build import build_stage_trainer
+from lmforge.train.stream_loading import StreamReportCallback
 from lmforge.verbosity import is_verbose
 
 
@@ -137,6 +138,8 @@ def assemble_trainer(
             deepspeed_record=paths.deepspeed_config if plan.deepspeed is not None else None,
         ),
     ]
+    if data.stream_report is not None:  # a stream's data report grows as it is read
+        callbacks.append(StreamReportCallback(paths.data_report, data.report, data.stream_report))
     if comm is not None:
         callbacks.append(comm)
     if watched and cfg.monitor.histograms is not None:

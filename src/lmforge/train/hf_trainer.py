@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import Trainer
 
 from lmforge.config.schema import TrainConfig
@@ -31,12 +32,18 @@ from lmforge.distributed.reshard import (
     load_stand_in_rng,
     resumed_from,
 )
-from lmforge.errors import UserInputError
+from lmforge.errors import DataSourceLost, UserInputError, WorkFailed
 from lmforge.train.batches import batch_size, split_batch
 from lmforge.train.memory_savers import memory_savers
-from lmforge.train.numerics import REAL_TOKENS_KEY
+from lmforge.train.numerics import MIX_SOURCE_KEY, REAL_TOKENS_KEY
 from lmforge.train.optimizers import build_optimizer, needs_own_optimizer, wsd_scheduler_kwargs
-from lmforge.train.step import TrainStep, logs_at
+from lmforge.train.step import TrainStep, logs_at, save_mix_tokens
+from lmforge.train.stream_loading import (
+    is_stream,
+    restore_stream_position,
+    save_stream_position,
+    stream_loader,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +75,12 @@ class HFTrainerAdapter(Trainer):
         self.train_settings = train_settings
         # The dtype final/ is written in (`model.dtype`) whatever the engine trained in (DeepSpeed: a 16-bit copy).
         self.weights_dtype = weights_dtype
+        # A stream's loader and its position after the current optimizer step's batches (saved with
+        # each checkpoint); the checkpoint a resume starts from, whose saved position it restores.
+        self.stream: StatefulDataLoader | None = None
+        self.stream_position: dict[str, Any] | None = None
+        self.resuming_from: str | None = None
+        self.saved_step: int | None = None  # the step of the newest checkpoint this process wrote
         super().__init__(*args, **kwargs)
         self.train_step.bind(self.args, tensor_ranks=self.get_tp_size(), context_ranks=self.get_cp_size())
 
@@ -87,6 +100,7 @@ class HFTrainerAdapter(Trainer):
         ignore_keys_for_eval: list[str] | None = None,
     ) -> Any:
         checkpoint = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+        self.resuming_from = checkpoint
         if checkpoint is None:
             return super().train(resume_from_checkpoint, trial, ignore_keys_for_eval)
         with resumed_from(self, checkpoint) as source:
@@ -107,6 +121,17 @@ class HFTrainerAdapter(Trainer):
             model.tie_weights()
             load_result = load_result._replace(missing_keys=missing)
         super()._issue_warnings_after_load(load_result)
+
+    def get_train_dataloader(self) -> Any:
+        if not is_stream(self.train_dataset):
+            return super().get_train_dataloader()
+        # Built here, not by accelerate: the stream already reads only this rank's part.
+        self.stream = stream_loader(self.train_dataset, self.args, self.data_collator)
+        if self.resuming_from is not None:
+            restore_stream_position(
+                self.stream, self.resuming_from, rank=self.args.process_index, world_size=self.args.world_size
+            )
+        return self.stream
 
     def create_optimizer(self, model: nn.Module | None = None) -> Any:
         settings = self.train_settings.optimizer if self.train_settings is not None else None
@@ -145,7 +170,12 @@ class HFTrainerAdapter(Trainer):
         slow = self.train_step.drills.due("slow_data", self.state.global_step + 1)
         if slow is not None:
             time.sleep(slow.seconds)
-        batches = super().get_batch_samples(epoch_iterator, num_batches, device)
+        try:
+            batches = super().get_batch_samples(epoch_iterator, num_batches, device)
+        except DataSourceLost as lost:
+            raise self._stop_with_checkpoint(lost) from None
+        if self.stream is not None:  # where this step's batches end: what a checkpoint of it holds
+            self.stream_position = self.stream.state_dict()
         self.train_step.data_wait_s += time.perf_counter() - started
         return batches
 
@@ -246,6 +276,16 @@ class HFTrainerAdapter(Trainer):
                 dimension.model_checkpointed(self.parallel, self, target)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        self.saved_step = self.state.global_step
+        if self.stream is not None and self.stream_position is not None:
+            save_stream_position(
+                self.stream_position,
+                output_dir,
+                rank=self.args.process_index,
+                world_size=self.args.world_size,
+            )
+        if self.train_step.mix_tokens and self.args.process_index == 0:
+            save_mix_tokens(self.train_step.mix_tokens, output_dir)
         for dimension in self.parallel.dimensions:
             if dimension.save_optimizer(self.parallel, self, output_dir):
                 return
@@ -262,6 +302,7 @@ class HFTrainerAdapter(Trainer):
     ) -> Any:
         if isinstance(inputs, dict):  # online RL evaluates a list of prompt rows
             inputs.pop(REAL_TOKENS_KEY, None)
+            inputs.pop(MIX_SOURCE_KEY, None)
         loss = self._run_by_dimension(model, inputs, None, training=False)
         if loss is not None:
             return loss, None, None
@@ -277,6 +318,21 @@ class HFTrainerAdapter(Trainer):
         return loss, logits, labels
 
     # -- helpers ----------------------------------------------------------------------------------
+
+    def _stop_with_checkpoint(self, lost: DataSourceLost) -> WorkFailed:
+        """A source vanished mid-stream, at a step boundary: checkpoint the last finished step (the
+        stream's position included) the way a scheduled save does, and say how to go on."""
+        step = self.state.global_step
+        if step > 0 and step != self.saved_step:  # a scheduled save may have checkpointed it already
+            self._save_checkpoint(self.model_wrapped, trial=None)
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+        saved = f"step {step} is checkpointed" if step > 0 else "no step had finished, so nothing was saved"
+        # Raised in a dataloader worker, the message carries torch's traceback text: its last line is ours.
+        reason = str(lost).strip().splitlines()[-1] if str(lost).strip() else type(lost).__name__
+        return WorkFailed(
+            f"{reason}. Training stopped: {saved}. Fix: put the file back (or remove its source from the "
+            "config, which starts a new stream) and run the same command to resume."
+        )
 
     def _chunked_step(self, model: nn.Module, inputs: dict[str, Any], num_items: Any, splits: int) -> Any:
         if splits == 1:

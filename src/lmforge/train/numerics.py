@@ -77,6 +77,8 @@ class ThroughputMeter:
 # model sees the batch. Counted before collation because after it, packed padding and sample
 # starts look alike in the mask, and a pad id may equal a real token id (pad == eos).
 REAL_TOKENS_KEY = "lmforge_real_tokens"
+# Which training source a sample of a mixed stream or token store came from; counted, never fed to the model.
+MIX_SOURCE_KEY = "mix_source"
 
 
 def feature_tokens(feature: Mapping[str, Any]) -> int:

@@ -53,7 +53,9 @@ def set_up_run(cfg: LmforgeConfig, plan: Plan, paths: RunPaths) -> RunSetup:
         if world.is_main:
             clear_partial_writes(paths)  # leftovers of a save or final/ interrupted by a crash
         set_seed(cfg.run.seed)
-        tokenizer, data = prepare_data_for_run(cfg, paths, write_report=world.is_main)
+        tokenizer, data = prepare_data_for_run(
+            cfg, paths, write_report=world.is_main, rank=world.rank, world_size=world.size
+        )
         # config.yaml records what ran: train.precision as the plan resolved it (auto -> bf16 ...).
         resolved = cfg.model_copy(
             update={"train": cfg.train.model_copy(update={"precision": plan.precision})}

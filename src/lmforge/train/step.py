@@ -23,6 +23,7 @@ train/callbacks.py) turn the verdicts into events, checkpoints and stops, and wr
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import math
 import statistics
@@ -44,6 +45,7 @@ from lmforge.monitor.rl_guard import RlGuard
 from lmforge.train.batches import mask_tokens
 from lmforge.train.drills import Drills
 from lmforge.train.numerics import (
+    MIX_SOURCE_KEY,
     REAL_TOKENS_KEY,
     RankFlops,
     datasheet_peak,
@@ -95,6 +97,7 @@ class TrainStep:
     # This step, on the device until close_step:
     step_loss: torch.Tensor | None = None
     step_tokens: torch.Tensor | None = None
+    step_mix: torch.Tensor | None = None  # tokens per source of a mixed stream or store
     tainted: str = ""  # why this step's gradients cannot be trusted (a failed backward)
     in_backward: bool = False
     # This step, after close_step:
@@ -107,6 +110,8 @@ class TrainStep:
     update_ratio: float | None = None
     verdicts: list[tuple[int, Verdict]] = field(default_factory=list)
     notices: list[tuple[str, str]] = field(default_factory=list)  # (kind, message) events to emit
+    # Tokens trained on per source of a mixed stream or store, the whole run (restored on resume):
+    mix_tokens: list[int] = field(default_factory=list)
     _ratio_before: list[torch.Tensor] | None = None
     _ratio_params: list[torch.nn.Parameter] = field(default_factory=list)
 
@@ -154,6 +159,7 @@ class TrainStep:
             flops_per_token=rank_flops_per_token(model, cfg.data.max_length),
             peak_flops=peak_flops(device, precision) if cfg.monitor.enabled else 0.0,
             peak_measured=datasheet_peak(device) is None,
+            mix_tokens=restored_mix_tokens(cfg, resume),
         )
 
     def bind(self, args: TrainingArguments, *, tensor_ranks: int, context_ranks: int) -> None:
@@ -190,8 +196,12 @@ class TrainStep:
     def count_tokens(self, inputs: dict[str, Any], device: torch.device) -> None:
         """Add the batch's real tokens (the collator's exact count, else the 2-D masks) on the device."""
         tokens = inputs.pop(REAL_TOKENS_KEY, None)
+        sources = inputs.pop(MIX_SOURCE_KEY, None)
         tokens = (mask_tokens(inputs) if tokens is None else tokens).reshape(()).to(device)
         self.step_tokens = tokens if self.step_tokens is None else self.step_tokens + tokens
+        if sources is not None and self.mix_tokens:
+            mix = source_tokens(inputs, sources, len(self.mix_tokens)).to(device)
+            self.step_mix = mix if self.step_mix is None else self.step_mix + mix
 
     def add_loss(self, loss: torch.Tensor) -> None:
         loss = loss.detach().float().reshape(())
@@ -236,8 +246,9 @@ class TrainStep:
         self, step: int, grad_norm: Any, model: torch.nn.Module, state: Any, *, logs: bool
     ) -> None:
         """Aggregate over ranks, count the tokens, judge the step and drop it if it is not healthy."""
-        tokens, norm = self._aggregate(grad_norm)
+        tokens, norm, mix = self._aggregate(grad_norm)
         state.num_input_tokens_seen += tokens
+        self.mix_tokens = [before + now for before, now in zip(self.mix_tokens, mix, strict=True)]
         verdict = self._judge(step, norm)
         if verdict.action != "apply":
             for param in model.parameters():
@@ -247,11 +258,11 @@ class TrainStep:
             self.verdicts.append((step, verdict))
         elif logs and self.guardrails is not None:
             self._snapshot_for_ratio(model)
-        self.step_loss, self.step_tokens, self.tainted = None, None, ""
+        self.step_loss, self.step_tokens, self.step_mix, self.tainted = None, None, None, ""
 
-    def _aggregate(self, grad_norm: Any) -> tuple[int, float | None]:
-        """(loss mean, loss max) over ranks into this object, the step's total real tokens, and
-        this rank's gradient norm as a number.
+    def _aggregate(self, grad_norm: Any) -> tuple[int, float | None, list[int]]:
+        """(loss mean, loss max) over ranks into this object, the step's total real tokens, this
+        rank's gradient norm as a number, and the step's tokens per mixed source (if any).
 
         One all_gather of [loss, tokens, grad norm] and one host sync per optimizer step: the grad
         norm (a tensor on the device) rides along instead of costing a sync of its own. Gathered
@@ -265,7 +276,9 @@ class TrainStep:
         norm_on_device = isinstance(grad_norm, torch.Tensor) and not isinstance(grad_norm, DTensor)
         if norm_on_device:
             columns.append(grad_norm.detach().reshape(()).to(device, torch.float64))
-        mine = torch.stack(columns)
+        sources = len(self.mix_tokens)  # each source's tokens ride along too: no collective of their own
+        mix = self.step_mix if self.step_mix is not None else torch.zeros(sources, dtype=torch.float64)
+        mine = torch.cat([torch.stack(columns), mix.to(device, torch.float64)])
         if distributed:
             gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
             dist.all_gather(gathered, mine)
@@ -278,7 +291,10 @@ class TrainStep:
         losses = [row[0] for row in rows]
         self.loss_mean = math.fsum(losses) / len(losses) if not any(map(math.isnan, losses)) else math.nan
         self.loss_max = max(losses) if not any(map(math.isnan, losses)) else math.nan
-        return int(round(sum(row[1] for row in rows) / self.batch_replicas)), norm
+        mixed = [
+            int(round(sum(row[-sources + i] for row in rows) / self.batch_replicas)) for i in range(sources)
+        ]
+        return int(round(sum(row[1] for row in rows) / self.batch_replicas)), norm, mixed
 
     def _judge(self, step: int, norm: float | None) -> Verdict:
         if self.guardrails is None:
@@ -368,6 +384,7 @@ class TrainStep:
             record["oom_splits"] = self.splits
         record.update(memory_metrics())
         record.update(self.rank_stats)
+        record.update({f"mix_tokens_{index}": tokens for index, tokens in enumerate(self.mix_tokens)})
         return record
 
     def utilisation(self, tokens_per_s: float) -> float | None:
@@ -460,3 +477,38 @@ def _holders(param: torch.Tensor, world: int) -> int:
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a sharded (FSDP2 DTensor) tensor; any other tensor whole."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+MIX_STATE_FILE = "data_state/mix.json"  # in a checkpoint: tokens trained on per mixed source so far
+
+
+def mixed_sources(cfg: LmforgeConfig) -> int:
+    """Sources whose tokens are counted apart: pretraining text read as a stream or from the store."""
+    if stage_spec(cfg.train.stage).data_kind != "text" or not (cfg.data.streaming or cfg.data.store):
+        return 0
+    return len(cfg.data.train)
+
+
+def restored_mix_tokens(cfg: LmforgeConfig, resume: Path | None) -> list[int]:
+    """Tokens per mixed source at the checkpoint `resume` (zeros for a new run or an older checkpoint)."""
+    sources = mixed_sources(cfg)
+    saved = resume / MIX_STATE_FILE if resume is not None else None
+    if saved is None or not saved.is_file():
+        return [0] * sources
+    tokens = [int(n) for n in json.loads(saved.read_text(encoding="utf-8"))["tokens"]]
+    return tokens if len(tokens) == sources else [0] * sources
+
+
+def save_mix_tokens(tokens: list[int], checkpoint: str | Path) -> None:
+    """Record the tokens per mixed source in the checkpoint being saved, for `restored_mix_tokens`."""
+    target = Path(checkpoint) / MIX_STATE_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps({"tokens": tokens}), encoding="utf-8")
+
+
+def source_tokens(inputs: dict[str, Any], sources: torch.Tensor, count: int) -> torch.Tensor:
+    """Tokens of each of `count` sources in a batch: each sample's real tokens under its source."""
+    mask = inputs.get("attention_mask")
+    ids = inputs["input_ids"]
+    per_sample = mask.sum(-1) if mask is not None else torch.full((ids.shape[0],), ids.shape[-1])
+    return torch.bincount(sources.reshape(-1).cpu(), weights=per_sample.cpu().double(), minlength=count)

@@ -77,6 +77,7 @@ def build_stage_trainer(
         seed=cfg.run.seed,
         has_eval=has_eval,
         precision=precision,
+        streaming=cfg.data.streaming,
         args_class=stage.config if stage else resolve_class(spec.arguments),
         engine_args=engine_args,
         # TRL's collators take only the tokenized columns; the text columns must be dropped.
