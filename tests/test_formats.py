@@ -306,7 +306,7 @@ def test_hub_source_without_network_says_how_to_work_offline(monkeypatch: pytest
     import datasets.config
     import huggingface_hub.constants
 
-    from lmforge.data.hub import is_hub_source
+    from lmforge.data.hub import is_remote_source
 
     # The libraries read these at import, which an earlier test may have done: set both ways, or
     # the lookup waits on connection timeouts (23 s in CI) before it fails.
@@ -314,8 +314,8 @@ def test_hub_source_without_network_says_how_to_work_offline(monkeypatch: pytest
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    assert is_hub_source("hf://tatsu-lab/alpaca") and is_hub_source("tatsu-lab/alpaca")
-    assert not is_hub_source("data/train.jsonl") and not is_hub_source("data/*.jsonl")
+    assert is_remote_source("hf://tatsu-lab/alpaca") and is_remote_source("tatsu-lab/alpaca")
+    assert not is_remote_source("data/train.jsonl") and not is_remote_source("data/*.jsonl")
     with pytest.raises(
         UserInputError, match="could not stream it from the Hugging Face hub.*huggingface-cli download"
     ):

@@ -79,6 +79,26 @@ def test_one_source_gives_the_caches_blocks_in_order(
     assert used["documents"] >= 320 - 1 and used["empty_documents_skipped"] == 1  # epoch 0 used up
 
 
+def test_remote_files_by_url_stream_the_same_blocks_as_the_local_path(
+    tokenizer: PreTrainedTokenizerFast, corpus: Path, tmp_path: Path
+) -> None:
+    """A URL source is streamed by `datasets` over fsspec (s3://, gs://, https://); file:// is
+    the one that needs no network, and must give what the local path gives."""
+    local = TextStream(
+        [SourceConfig(path=str(corpus / "big" / "*.jsonl"))], tokenizer, max_length=BLOCK, seed=0
+    )
+    remote_source = SourceConfig(path=f"file://{corpus / 'big'}/*.jsonl")
+    remote = TextStream([remote_source], tokenizer, max_length=BLOCK, seed=0)
+    expected, got = blocks_of(local, 40), blocks_of(remote, 40)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(expected, got, strict=True))
+    with pytest.raises(UserInputError, match=r"remote files are read by their suffix.*\.jsonl"):
+        TextStream([SourceConfig(path="file:///data/corpus.bin")], tokenizer, max_length=BLOCK, seed=0)
+    with pytest.raises(UserInputError, match=r"could not stream these remote files.*s3fs"):
+        TextStream(
+            [SourceConfig(path="s3://no-such-bucket/corpus/*.jsonl")], tokenizer, max_length=BLOCK, seed=0
+        )
+
+
 @pytest.mark.parametrize("shards", ["*.jsonl", "shard-[01].jsonl"])
 def test_parts_of_two_ranks_by_two_workers_read_each_document_once(corpus: Path, shards: str) -> None:
     """Eight files: whole files dealt to the 4 parts; two files: every 4th document each."""
@@ -290,7 +310,7 @@ def test_hub_source_is_split_by_node_and_resumes_from_its_state(
     files = sorted(str(path) for path in (corpus / "big").glob("*.jsonl"))
     monkeypatch.setattr(
         inputs,
-        "open_hub_dataset",
+        "open_remote_dataset",
         lambda path: load_dataset("json", data_files=files, split="train", streaming=True),
     )
     reader = inputs.HubInput(SourceConfig(path="hf://owner/corpus"), "data.train.0.path")

@@ -29,7 +29,7 @@ from lmforge.config.schema import SourceConfig
 from lmforge.data.bad_rows import BadRowPolicy
 from lmforge.data.examples import BadRow, Example
 from lmforge.data.format_detection import RowFormat, build_row_format, detect_format
-from lmforge.data.hub import is_hub_source, iter_hub_rows
+from lmforge.data.hub import is_remote_source, iter_hub_rows
 from lmforge.data.llamafactory import is_dataset_info_source, resolve_dataset_info
 from lmforge.data.row_formats import read_row
 from lmforge.data.rows import RawRow, iter_raw_rows, resolve_row_files
@@ -57,7 +57,7 @@ def iter_source_examples(source: SourceConfig, *, memory_budget_mb: int) -> Iter
     """
     if is_dataset_info_source(source):
         source = resolve_dataset_info(source)
-    if is_hub_source(source.path):
+    if is_remote_source(source.path):
         yield from _hub_examples(source)
         return
     files = resolve_row_files(source.path)

@@ -245,7 +245,7 @@ def stream_fingerprint(cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase) -
     a resume whose stream would differ is told so (provenance compares it)."""
     import hashlib
 
-    from lmforge.data.hub import is_hub_source
+    from lmforge.data.hub import is_remote_source
     from lmforge.data.source_paths import resolve_files
     from lmforge.data.tokenizer import tokenizer_fingerprint
 
@@ -254,7 +254,7 @@ def stream_fingerprint(cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase) -
     keyed += [(f"data.eval.{i}.path", s) for i, s in enumerate(cfg.data.eval)]
     for key, source in keyed:
         files.append(source.model_dump_json())
-        if not is_hub_source(source.path) and not source.path.startswith("builtin:"):
+        if not is_remote_source(source.path) and not source.path.startswith("builtin:"):
             for file in resolve_files(source, key=key):
                 status = file.stat()
                 files.append(f"{file.resolve()}|{status.st_size}|{status.st_mtime_ns}")

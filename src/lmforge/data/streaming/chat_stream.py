@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 from lmforge.config.schema import DataConfig, SourceConfig
 from lmforge.data.bad_rows import BadRowPolicy
 from lmforge.data.chat import adopt_template
-from lmforge.data.hub import is_hub_source, open_hub_dataset
+from lmforge.data.hub import is_remote_source, open_remote_dataset
 from lmforge.data.llamafactory import is_dataset_info_source, resolve_dataset_info
 from lmforge.data.mixture import MixtureDealer, stream_shares
 from lmforge.data.packing import best_fit_pack
@@ -195,8 +195,8 @@ def _size_in_bytes(source: SourceConfig) -> int:
     missing file, a glob matching nothing or an unreachable hub dataset."""
     if is_dataset_info_source(source):
         source = resolve_dataset_info(source)
-    if is_hub_source(source.path):
-        info = open_hub_dataset(source.path).info
+    if is_remote_source(source.path):
+        info = open_remote_dataset(source.path).info
         return int(info.dataset_size or info.size_in_bytes or 0)
     return sum(file.stat().st_size for file in resolve_row_files(source.path))
 

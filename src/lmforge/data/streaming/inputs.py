@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lmforge.config.schema import SourceConfig
-from lmforge.data.hub import hub_unreachable, is_hub_source, open_hub_dataset
+from lmforge.data.hub import hub_unreachable, is_remote_source, open_remote_dataset
 from lmforge.data.source_paths import resolve_files
 from lmforge.data.streaming.documents import Position, read_documents
 from lmforge.data.streaming.parts import StreamPart, plan_files
@@ -34,7 +34,7 @@ class StreamInput(Protocol):
 def open_input(source: SourceConfig, key: str) -> StreamInput:
     """The source, checked now (a glob matching nothing, a missing file or an unreachable hub
     dataset raises UserInputError here, before training, not at the first batch)."""
-    if is_hub_source(source.path):
+    if is_remote_source(source.path):
         return HubInput(source, key)
     return LocalInput(source, key)
 
@@ -63,7 +63,7 @@ class HubInput:
 
     def __init__(self, source: SourceConfig, key: str) -> None:
         self.source, self.key = source, key
-        self.dataset = open_hub_dataset(source.path)
+        self.dataset = open_remote_dataset(source.path)
         self.files = int(getattr(self.dataset, "num_shards", 1) or 1)
         info = self.dataset.info
         self.size_in_bytes = int(info.dataset_size or info.size_in_bytes or 0)
