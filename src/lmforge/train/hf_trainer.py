@@ -323,10 +323,17 @@ class HFTrainerAdapter(Trainer):
         """A source vanished mid-stream, at a step boundary: checkpoint the last finished step (the
         stream's position included) the way a scheduled save does, and say how to go on."""
         step = self.state.global_step
-        if step > 0 and step != self.saved_step:  # a scheduled save may have checkpointed it already
-            self._save_checkpoint(self.model_wrapped, trial=None)
-            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
-        saved = f"step {step} is checkpointed" if step > 0 else "no step had finished, so nothing was saved"
+        resumed_here = self.resuming_from is not None and self.resuming_from.rstrip("/").endswith(f"-{step}")
+        if self.args.world_size > 1:
+            # The other ranks are inside the step's collectives: a save (itself collective) would hang.
+            saved = "the newest checkpoint in checkpoints/ is the state to resume from"
+        elif step == 0:
+            saved = "no step had finished, so nothing was saved"
+        else:
+            if step != self.saved_step and not resumed_here:  # else that checkpoint exists already
+                self._save_checkpoint(self.model_wrapped, trial=None)
+                self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+            saved = f"step {step} is checkpointed"
         # Raised in a dataloader worker, the message carries torch's traceback text: its last line is ours.
         reason = str(lost).strip().splitlines()[-1] if str(lost).strip() else type(lost).__name__
         return WorkFailed(
