@@ -144,7 +144,8 @@ def prepare(
     `lmforge train` with the same config reuses the cache. With data.store (or --executor) the
     sources are tokenized into a sharded token store instead, by datatrove tasks.
 
-    Example: `lmforge prepare examples/sft_lora.yaml --show 2`
+    Example: `lmforge prepare examples/sft_lora.yaml --show 2`, or a token store:
+    `lmforge prepare examples/pretrain_at_scale.yaml --executor local --tasks 2`
     """
     cfg = load_config(config, overrides)  # before the heavy imports: a bad config is answered at once
     if cfg.data.store is not None or executor is not None:

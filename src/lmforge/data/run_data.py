@@ -275,7 +275,6 @@ def _sft_data(
     rank: int = 0,
     world_size: int = 1,
 ) -> RunData:
-    from lmforge.data.ragged import PackedDataset, SampleDataset
     from lmforge.data.sft import prepare_sft_data
 
     if cfg.data.streaming:
@@ -287,14 +286,18 @@ def _sft_data(
         cache_dir=cache_dir,
         quarantine_path=paths.root / "bad_rows.jsonl",
     )
-    if cfg.data.packing:
-        # Eval rows are packed among themselves only: no eval sample ever shares a row with train.
-        train: Dataset = PackedDataset(sft.train, cfg.data.max_length)
-        evaluation: Dataset | None = PackedDataset(sft.eval, cfg.data.max_length) if sft.eval else None
-    else:
-        train = SampleDataset(sft.train)
-        evaluation = SampleDataset(sft.eval) if sft.eval else None
-    return RunData(train, evaluation, sft_collator(cfg, tokenizer), sft.fingerprint, sft.report)
+    # Eval rows are packed among themselves only: no eval sample ever shares a row with train.
+    evaluation = sft_dataset(cfg, sft.eval) if sft.eval else None
+    return RunData(
+        sft_dataset(cfg, sft.train), evaluation, sft_collator(cfg, tokenizer), sft.fingerprint, sft.report
+    )
+
+
+def sft_dataset(cfg: LmforgeConfig, samples: Any) -> Dataset:
+    """SFT samples as the Trainer reads them: packed rows under data.packing, else one per item."""
+    from lmforge.data.ragged import PackedDataset, SampleDataset
+
+    return PackedDataset(samples, cfg.data.max_length) if cfg.data.packing else SampleDataset(samples)
 
 
 def sft_collator(
@@ -329,7 +332,6 @@ def _chat_stream(
 ) -> RunData:
     """SFT conversations read while training: this rank's part as a stream of samples (or packed
     rows). Eval sources are read whole into the cache, as the cached path reads them."""
-    from lmforge.data.ragged import PackedDataset, SampleDataset
     from lmforge.data.sft import prepare_sft_data
     from lmforge.data.streaming import ChatStream, stream_report
 
@@ -352,9 +354,7 @@ def _chat_stream(
             cache_dir=cache_dir,
             quarantine_path=paths.root / "bad_rows.eval.jsonl",  # the stream's readers write the train file
         )
-        evaluation = (
-            PackedDataset(sft.train, cfg.data.max_length) if cfg.data.packing else SampleDataset(sft.train)
-        )
+        evaluation = sft_dataset(cfg, sft.train)
         report["eval"] = sft.report.get("train")
     fingerprint = stream_fingerprint(cfg, tokenizer)
     return RunData(
