@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import optuna
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from lmforge.monitor.events import EventLog
@@ -23,6 +22,9 @@ class PruningReport(TrainerCallback):
     """In the trial's process: the eval metric to the study at each evaluation; stop when pruned."""
 
     def __init__(self, spec: TrialSpec) -> None:
+        # Optuna is imported by trials alone: a plain `lmforge train` never loads the study engine.
+        import optuna
+
         from lmforge.sweep.study import make_pruner, open_storage
 
         self.spec = spec
@@ -47,6 +49,8 @@ class PruningReport(TrainerCallback):
             return
         if self.spec.metric not in metrics:
             return  # the parent fails the trial, naming the metrics there are
+        import optuna
+
         try:
             self.trial.report(float(metrics[self.spec.metric]), state.global_step)
         except optuna.exceptions.UpdateFinishedTrialError:
