@@ -75,6 +75,10 @@ REGISTRY: tuple[Coupling, ...] = (
              "online RL (TRL GRPO / RLOO) generates its completions here: count their tokens once "
              "(TRL's own addition to num_input_tokens_seen is undone)",
              ("self", "inputs")),
+    Coupling(f"{_TRAINER}._get_train_sampler", "override", _STEP,
+             "pretraining blocks are shuffled by a permutation computed per position (data/shuffle.py): "
+             "HF's RandomSampler holds a list of every block index, growing with the corpus",
+             ("self", "train_dataset")),
     Coupling(f"{_TRAINER}.get_train_dataloader", "override", _STEP,
              "a stream's loader is torchdata's StatefulDataLoader built here (the stream reads only this "
              "rank's part; accelerate would split it again), its saved position restored on resume",

@@ -32,6 +32,7 @@ from lmforge.config.schema import DataConfig, SourceConfig
 from lmforge.data.bad_rows import BadRowPolicy
 from lmforge.data.block_files import move_rows, set_rows, write_header
 from lmforge.data.prep import prepare, split_holdout
+from lmforge.data.shuffle import PretrainingBlocks
 from lmforge.data.sources import SourceStats, iter_documents, sources_fingerprint
 from lmforge.data.stats import LengthHistogram
 from lmforge.data.tokenizer import BatchEncoder, batch_encoder, encode_documents, tokenizer_fingerprint
@@ -58,7 +59,7 @@ class PreparedText:
     timings: dict[str, float] = field(default_factory=dict)  # seconds per step; empty when cached
 
 
-class BlockDataset(torch.utils.data.Dataset):
+class BlockDataset(PretrainingBlocks):
     """Causal-LM samples from an [N, L] block array: `input_ids` and `labels` (the same ids;
     the model shifts them). Blocks hold no padding, so no attention mask is needed."""
 

@@ -24,6 +24,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import Trainer
 
 from lmforge.config.schema import TrainConfig
+from lmforge.data.shuffle import PretrainingBlocks, ShuffledBlocks
 from lmforge.distributed.parallel import no_parallelism
 from lmforge.distributed.parallel_state import ParallelState
 from lmforge.distributed.reshard import (
@@ -121,6 +122,15 @@ class HFTrainerAdapter(Trainer):
             model.tie_weights()
             load_result = load_result._replace(missing_keys=missing)
         super()._issue_warnings_after_load(load_result)
+
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        if isinstance(dataset, PretrainingBlocks):
+            # Pretraining blocks: a permutation computed per position (O(1) memory) rather than HF's
+            # randperm list, whose size grows with the corpus. Same order on every rank: accelerate
+            # deals each rank its batches of it.
+            return ShuffledBlocks(len(dataset), seed=self.args.seed)
+        return super()._get_train_sampler(train_dataset)
 
     def get_train_dataloader(self) -> Any:
         if not is_stream(self.train_dataset):

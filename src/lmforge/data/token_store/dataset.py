@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from lmforge.data.mixture import block_of_source
+from lmforge.data.shuffle import PretrainingBlocks
 from lmforge.data.token_store.shards import TOKEN_DTYPE
 from lmforge.errors import DataSourceLost
 
@@ -80,7 +81,7 @@ def _map(path: str) -> np.ndarray:
         ) from None
 
 
-class StoreBlocks(torch.utils.data.Dataset):
+class StoreBlocks(PretrainingBlocks):
     """A map-style dataset of the mix: sample i is block `block_of_source(k, ...)` of the source
     whose range of the mix holds i. Samples are {"input_ids", "labels", "mix_source"}.
 
