@@ -17,6 +17,7 @@ from lmforge.config.schema import DataConfig, SourceConfig, TokenizerTrainConfig
 from lmforge.data.collate import PackedCollator, PaddedCollator
 from lmforge.data.sft import prepare_sft_data
 from lmforge.data.streaming import ChatStream, TextStream, reader_states, stream_report
+from lmforge.data.streaming.chat_stream import PACK_BUFFER
 from lmforge.data.streaming.inputs import LocalInput
 from lmforge.data.streaming.parts import StreamPart
 from lmforge.data.text import prepare_pretraining_data
@@ -262,6 +263,22 @@ def test_chat_stream_gives_the_cached_samples_and_counts(
     assert report["rows"]["bad_by_reason"] == cached.report["rows"]["bad_by_reason"] == {"malformed JSON": 2}
     assert report["dropped"] == cached.report["dropped"] and report["dropped"]
     assert len((tmp_path / "bad.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_packed_chat_stream_reports_the_rows_it_has_read(
+    chat_tokenizer: PreTrainedTokenizerFast, chat_file: Path, tmp_path: Path
+) -> None:
+    """Packing reads a buffer of PACK_BUFFER samples before its first row: the report counts them
+    at once (its resume position stays at the buffer's start, which the resume test covers)."""
+    stream = ChatStream(
+        chat_config(chat_file, packing=True), chat_tokenizer, seed=0, quarantine_path=tmp_path / "b"
+    )
+    rows = iter(stream)
+    assert stream_report([stream.state_dict()])["train"]["samples"] == 0
+    next(rows)
+    report = stream_report([stream.state_dict()])
+    assert report["train"]["samples"] == PACK_BUFFER
+    assert report["rows"]["rows_read"] >= PACK_BUFFER and report["train"]["tokens"] > 0
 
 
 @pytest.mark.parametrize("packing", [False, True])

@@ -46,6 +46,8 @@ from lmforge.errors import UserInputError
 
 STATE_KIND = "chat-stream"
 PACK_BUFFER = 256  # samples best-fit packed together; memory holds one such buffer
+# The counters of a reader's state that the data report sums (the rest is its position).
+REPORTED = ("sources", "rows", "dropped", "truncated", "length_counts")
 
 
 class ChatStream(torch.utils.data.IterableDataset):
@@ -113,7 +115,10 @@ class ChatStream(torch.utils.data.IterableDataset):
                 return copy.deepcopy(self._saved)
             return _LiveChat(self, current_part(self.rank, self.world_size), None).state_dict()
         if self.cfg.packing and self._buffer_start is not None:
-            return {**self._buffer_start, "packed_rows_done": self._packed_rows_done}
+            # A resume reads the packing buffer again: the position (and the counts restored with
+            # it) is the buffer's start. The report counts what has been read ("read": the buffer too).
+            read = {key: value for key, value in self._live.state_dict().items() if key in REPORTED}
+            return {**self._buffer_start, "packed_rows_done": self._packed_rows_done, "read": read}
         return self._live.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

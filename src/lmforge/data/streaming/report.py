@@ -94,7 +94,9 @@ def reader_states(loader_state: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _chat_report(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The cached SFT report's keys that a stream can know as it goes (no duplicate counts, no
-    packing statistics over the whole set), summed over the readers."""
+    packing statistics over the whole set), summed over the readers: what each has read, which for a
+    packed stream is ahead of its resume position by the rows of its packing buffer."""
+    states = [{**state, **state.get("read", {})} for state in states]
     first = states[0]
     bad: Counter[str] = Counter()
     dropped: Counter[str] = Counter()
