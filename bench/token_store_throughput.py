@@ -49,7 +49,7 @@ def run_variant(variant: str, corpus: Path, tokenizer_dir: Path, workdir: Path) 
     """Tokenize the corpus with `variant` into a fresh directory; tokens and seconds."""
     from lmforge.config.schema import DataConfig, SourceConfig, TokenStoreConfig
     from lmforge.data.text import prepare_pretraining_data
-    from lmforge.data.token_store import build_token_store
+    from lmforge.data.token_store.build import build_token_store
     from lmforge.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(str(tokenizer_dir))

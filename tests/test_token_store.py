@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +20,11 @@ from transformers import PreTrainedTokenizerFast
 
 from lmforge.config.schema import DataConfig, SourceConfig, TokenizerTrainConfig, TokenStoreConfig
 from lmforge.data.text import prepare_pretraining_data
-from lmforge.data.token_store import build_token_store, open_token_store
 from lmforge.data.token_store import dataset as token_store_dataset
+from lmforge.data.token_store.build import build_token_store
 from lmforge.data.token_store.manifest import is_complete
+from lmforge.data.token_store.pipeline import ENCODER_FILE, read_plan, task_encoder
+from lmforge.data.token_store.store import open_token_store
 from lmforge.data.tokenizer import train_tokenizer
 from lmforge.errors import DataSourceLost, UserInputError
 from tests.conftest import word_documents, write_jsonl
@@ -248,6 +252,31 @@ def test_another_tokenizer_is_refused(built: Any, tmp_path: Path) -> None:
     moved = cfg.model_copy(update={"store": cfg.store.model_copy(update={"path": path})})
     with pytest.raises(UserInputError, match=r"tokenized with another tokenizer than this run's"):
         open_token_store(moved, other, seed=SEED, cache_dir=tmp_path)
+
+
+def test_tasks_encode_without_torch_or_transformers_and_check_their_encoder(
+    built: Any, tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    """A task loads the pipeline module and the tokenizer's Rust backend from encoder.json alone (a
+    pool of tasks starts in about a second, not the 5-7 s of importing torch and transformers); the
+    encoder encodes as the run's tokenizer does, and one that is not the plan's is refused."""
+    _, _, path, _ = built
+    probe = "import sys, lmforge.data.token_store.pipeline; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]", loaded.stdout
+    text = documents(5, seed=9)
+    plan = read_plan(path)
+    assert task_encoder(path, plan)(text) == [
+        tokenizer(t, add_special_tokens=False)["input_ids"] for t in text
+    ]
+    copy = tmp_path / "store"
+    shutil.copytree(path, copy)
+    encoder = copy / ENCODER_FILE
+    encoder.write_text(encoder.read_text(encoding="utf-8").replace('"alpha"', '"alphA"'), encoding="utf-8")
+    with pytest.raises(
+        UserInputError, match=r"encoder.json is not the encoder its plan was written with.*delete"
+    ):
+        task_encoder(copy, read_plan(copy))
 
 
 def test_reading_maps_few_shards_and_names_one_that_vanished(

@@ -183,8 +183,7 @@ def _build_token_store(
 ) -> bool:
     """`lmforge prepare` with data.store: build (or finish) the token store; True once it is complete."""
     from lmforge.data.run_data import resolve_cache_dir
-    from lmforge.data.token_store import build_token_store
-    from lmforge.data.token_store.build import ExecutorKind
+    from lmforge.data.token_store.build import ExecutorKind, build_token_store
     from lmforge.data.tokenizer_source import obtain_tokenizer
     from lmforge.run_layout import RunPaths
 

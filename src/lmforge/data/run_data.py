@@ -195,8 +195,9 @@ def _token_store_data(cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase, ca
     """Pretraining blocks read memory-mapped from the sharded token store. A store not built yet
     is built here with the local executor (as the cache would be); one a Slurm or Ray job builds
     must be finished first (`lmforge prepare CONFIG --executor ...`)."""
-    from lmforge.data.token_store import build_token_store, open_token_store
+    from lmforge.data.token_store.build import build_token_store
     from lmforge.data.token_store.manifest import is_complete
+    from lmforge.data.token_store.store import open_token_store
 
     settings = cfg.data.store
     if (

@@ -31,11 +31,12 @@ from transformers import PreTrainedTokenizerBase
 from lmforge.config.schema import DataConfig, SourceConfig
 from lmforge.data.bad_rows import BadRowPolicy
 from lmforge.data.block_files import move_rows, set_rows, write_header
+from lmforge.data.encoding import BatchEncoder, encode_documents, join_with_eos
 from lmforge.data.prep import prepare, split_holdout
 from lmforge.data.shuffle import PretrainingBlocks
 from lmforge.data.sources import SourceStats, iter_documents, sources_fingerprint
 from lmforge.data.stats import LengthHistogram
-from lmforge.data.tokenizer import BatchEncoder, batch_encoder, encode_documents, tokenizer_fingerprint
+from lmforge.data.tokenizer import batch_encoder, tokenizer_fingerprint
 from lmforge.errors import UserInputError
 
 # Bump when the packing rules or the cache layout change: old caches then stop matching.
@@ -89,11 +90,6 @@ def data_fingerprint(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: 
         "seed": seed if holdout else None,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
-
-
-def join_with_eos(flat_ids: np.ndarray, lengths: np.ndarray, eos_id: int) -> np.ndarray:
-    """Insert `eos_id` after each document of `flat_ids` (documents given by `lengths`)."""
-    return np.insert(flat_ids, np.cumsum(lengths), np.int32(eos_id))
 
 
 @contextmanager

@@ -12,14 +12,14 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from lmforge.config.schema import TokenizerTrainConfig
+from lmforge.data.encoding import BatchEncoder, rust_encoder
 from lmforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -44,9 +44,6 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-# Token ids of a batch of texts, one list per text.
-BatchEncoder = Callable[[list[str]], list[list[int]]]
 
 # A hub id is `name` or `org/name`; anything else (absolute, ./, ~) is a local path.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -188,21 +185,4 @@ def batch_encoder(tokenizer: PreTrainedTokenizerBase) -> BatchEncoder:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:  # a slow (pure Python) tokenizer: correct, just slower
         return lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]
-    if backend.truncation or backend.padding:
-        # Some tokenizer.json files ship with truncation on: it would silently cut documents.
-        # Work on a copy so the caller's tokenizer is left as it was.
-        backend = Tokenizer.from_str(backend.to_str())
-        backend.no_truncation()
-        backend.no_padding()
-    # encode_batch_fast (tokenizers >= 0.20) skips offset tracking, which packing never needs.
-    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-    return lambda texts: [encoding.ids for encoding in encode(texts, add_special_tokens=False)]
-
-
-def encode_documents(encode: BatchEncoder, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids of `texts` as (all ids concatenated, int32; per-text lengths, int64)."""
-    id_lists = encode(texts)
-    lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
-    # One array per document and one concatenation in C: no token-level Python work.
-    flat = np.concatenate([np.asarray(ids, dtype=np.int32) for ids in id_lists] or [np.empty(0, np.int32)])
-    return flat, lengths
+    return rust_encoder(backend)

@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from lmforge.data.encoding import BatchEncoder, encode_documents
 from lmforge.data.sources import is_empty_document
 from lmforge.data.stats import LengthHistogram
 from lmforge.data.streaming.inputs import Document
-from lmforge.data.tokenizer import BatchEncoder, encode_documents
 
 # Characters per tokenizer call: enough for the Rust backend to be efficient, small enough that a
 # dataloader worker holds little (memory is one such batch plus the remainder carried over).

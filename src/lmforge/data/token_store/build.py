@@ -18,6 +18,7 @@ from rich.console import Console
 from transformers import PreTrainedTokenizerBase
 
 from lmforge.config.schema import DataConfig, TokenStoreConfig
+from lmforge.data.encoding import untruncated
 from lmforge.data.text import eos_id
 from lmforge.data.token_store.executors import LOGS_DIR, make_executor, run_quietly, write_slurm_script
 from lmforge.data.token_store.layout import MANIFEST, input_files, store_fingerprint, store_location
@@ -119,7 +120,7 @@ def _submit(runner: PipelineExecutor) -> None:
 def _plan_is(store: Path, files: list[InputFile]) -> bool:
     if not (store / PLAN_FILE).is_file():
         return False
-    planned, _, _ = read_plan(store)
+    planned = read_plan(store).files
     return planned == files
 
 
@@ -144,7 +145,8 @@ def _stage(
         shutil.rmtree(store / LOGS_DIR / "completions", ignore_errors=True)
         (store / LOGS_DIR).mkdir(parents=True, exist_ok=True)
         (store / LOGS_DIR / "tasks.json").write_text(json.dumps({"tasks": tasks}))
-    write_plan(store, files, tokenizer_fp, eos_id)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    write_plan(store, files, tokenizer_fp, eos_id, None if backend is None else untruncated(backend).to_str())
     saved = store / TOKENIZER_DIR
     if not saved.is_dir():
         tokenizer.save_pretrained(str(saved.with_name(TOKENIZER_DIR + ".tmp")))

@@ -1,9 +1,12 @@
 """The token store's datatrove pipeline: one step that tokenizes a task's input files into shards.
 
 What a task needs travels as files inside the store, not as pickled objects: `plan.json` (the
-input files in order, with their sources' settings) and `tokenizer/` (the run's tokenizer,
-saved with save_pretrained). The step itself holds only the store's path, so what datatrove
-pickles for its workers (dill, for Slurm and local pools alike) is a string.
+input files in order, with their sources' settings), `encoder.json` (the run tokenizer's Rust
+backend, truncation and padding off, with its sha256 in the plan) and `tokenizer/` (the run's
+tokenizer, saved with save_pretrained, which a tokenizer without a Rust backend is loaded from).
+The step itself holds only the store's path, so what datatrove pickles for its workers (dill, for
+Slurm and local pools alike) is a string. A task imports neither torch nor transformers (a slow
+tokenizer aside): a pool of tasks starts in about a second.
 """
 
 from __future__ import annotations
@@ -21,17 +24,17 @@ import numpy as np
 from datatrove.data import DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 from datatrove.utils.logging import logger
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer
 
 from lmforge.config.schema import SourceConfig
+from lmforge.data.encoding import BatchEncoder, encode_documents, join_with_eos, rust_encoder
 from lmforge.data.sources import documents_of_file, is_empty_document
 from lmforge.data.stats import LengthHistogram
-from lmforge.data.text import join_with_eos
 from lmforge.data.token_store.shards import ShardInfo, ShardWriter, read_sidecar, shard_stem
-from lmforge.data.tokenizer import batch_encoder, encode_documents, tokenizer_fingerprint
 from lmforge.errors import UserInputError
 
 PLAN_FILE = "plan.json"
+ENCODER_FILE = "encoder.json"
 TOKENIZER_DIR = "tokenizer"
 # Characters per tokenizer call, as the cached path: large batches keep the Rust backend busy.
 _BATCH_CHARS = 2_000_000
@@ -51,16 +54,64 @@ class InputFile:
     source_settings: str  # the SourceConfig as JSON: how its documents are read (split, text_field)
 
 
-def write_plan(store: Path, files: list[InputFile], tokenizer_fp: str, eos_id: int) -> None:
-    """`<store>/plan.json`: what every task reads to find its files."""
-    plan = {"tokenizer_fingerprint": tokenizer_fp, "eos_id": eos_id, "files": [asdict(f) for f in files]}
+@dataclass(frozen=True)
+class Plan:
+    """What every task reads from `<store>/plan.json`."""
+
+    files: list[InputFile]
+    tokenizer_fingerprint: str
+    eos_id: int
+    encoder_sha256: str | None  # None: the tokenizer has no Rust backend (tasks load tokenizer/)
+
+
+def write_plan(
+    store: Path, files: list[InputFile], tokenizer_fp: str, eos_id: int, encoder: str | None
+) -> None:
+    """`<store>/plan.json` (and `encoder.json` when the tokenizer has a Rust backend, its JSON):
+    what every task reads to find its files and encode them."""
+    encoder_sha256 = None
+    if encoder is not None:
+        temporary = store / (ENCODER_FILE + ".tmp")
+        temporary.write_text(encoder, encoding="utf-8")
+        temporary.replace(store / ENCODER_FILE)
+        encoder_sha256 = hashlib.sha256(encoder.encode()).hexdigest()
+    plan = {
+        "tokenizer_fingerprint": tokenizer_fp,
+        "eos_id": eos_id,
+        "encoder_sha256": encoder_sha256,
+        "files": [asdict(f) for f in files],
+    }
     (store / PLAN_FILE).write_text(json.dumps(plan, indent=1), encoding="utf-8")
 
 
-def read_plan(store: Path) -> tuple[list[InputFile], str, int]:
-    """(input files, tokenizer fingerprint, EOS id) from `<store>/plan.json`."""
+def read_plan(store: Path) -> Plan:
+    """The plan `write_plan` wrote."""
     plan = json.loads((store / PLAN_FILE).read_text(encoding="utf-8"))
-    return [InputFile(**f) for f in plan["files"]], plan["tokenizer_fingerprint"], int(plan["eos_id"])
+    files = [InputFile(**f) for f in plan["files"]]
+    return Plan(files, plan["tokenizer_fingerprint"], int(plan["eos_id"]), plan.get("encoder_sha256"))
+
+
+def task_encoder(store: Path, plan: Plan) -> BatchEncoder:
+    """The run's tokenizer as a task encodes with it: the Rust backend from encoder.json, checked
+    against the plan's sha256 (no transformers import), else the saved tokenizer through transformers."""
+    stale = "Fix: delete the store directory and run lmforge prepare again."
+    if plan.encoder_sha256 is not None:
+        text = (store / ENCODER_FILE).read_text(encoding="utf-8")
+        if hashlib.sha256(text.encode()).hexdigest() != plan.encoder_sha256:
+            raise UserInputError(
+                f"{store / ENCODER_FILE} is not the encoder its plan was written with. {stale}"
+            )
+        return rust_encoder(Tokenizer.from_str(text))
+    from transformers import AutoTokenizer
+
+    from lmforge.data.tokenizer import batch_encoder, tokenizer_fingerprint
+
+    tokenizer = AutoTokenizer.from_pretrained(str(store / TOKENIZER_DIR), local_files_only=True)
+    if tokenizer_fingerprint(tokenizer) != plan.tokenizer_fingerprint:
+        raise UserInputError(
+            f"{store / TOKENIZER_DIR}: the saved tokenizer does not reload as the run's tokenizer. {stale}"
+        )
+    return batch_encoder(tokenizer)
 
 
 def files_of_task(files: list[InputFile], rank: int, tasks: int) -> list[InputFile]:
@@ -81,15 +132,10 @@ class TokenizeShards(PipelineStep):
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         store = Path(self.store)
-        files, fingerprint, eos_id = read_plan(store)
-        tokenizer = AutoTokenizer.from_pretrained(str(store / TOKENIZER_DIR), local_files_only=True)
-        if tokenizer_fingerprint(tokenizer) != fingerprint:
-            raise UserInputError(
-                f"{store / TOKENIZER_DIR}: the saved tokenizer does not reload as the run's tokenizer. "
-                "Fix: delete the store directory and run lmforge prepare again."
-            )
-        encode = batch_encoder(tokenizer)
-        for item in files_of_task(files, rank, world_size):
+        plan = read_plan(store)
+        fingerprint, eos_id = plan.tokenizer_fingerprint, plan.eos_id
+        encode = task_encoder(store, plan)
+        for item in files_of_task(plan.files, rank, world_size):
             stem = shard_stem(store, item.split, item.source, item.number)
             done = read_sidecar(stem)
             if done is not None and _same_input(done, item, fingerprint):
