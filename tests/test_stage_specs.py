@@ -12,7 +12,7 @@ from transformers import Trainer, TrainingArguments
 
 from lmforge.config import LmforgeConfig
 from lmforge.config.schema import DpoConfig, TrainConfig
-from lmforge.config.stages import RL_METRIC_PREFIXES, STAGE_SPECS, stage_spec
+from lmforge.config.stages import RL_METRIC_PREFIXES, RM_METRIC_PREFIXES, STAGE_SPECS, stage_spec
 from lmforge.train.rewards import RewardSet
 from lmforge.train.stages.binding import resolve_class
 from lmforge.train.stages.online_rl import online_rl_stage
@@ -50,12 +50,14 @@ def test_a_spec_names_a_trainer_and_its_arguments_class(stage: str) -> None:
 
 def test_the_spec_table_agrees_with_what_each_stage_is() -> None:
     """Online RL never gets the loss-spike rule and always the RL guard and its metrics; only the
-    language-model stages have a token-level next-token loss; only rm has a score head."""
+    language-model stages have a token-level next-token loss; only rm has a score head (and its
+    pairwise metrics)."""
     for spec in STAGE_SPECS.values():
         assert "nonfinite" in spec.guardrails
         assert ("spike" in spec.guardrails) is not spec.online_rl
         assert ("rl" in spec.guardrails) is spec.online_rl
-        assert spec.metric_prefixes == (RL_METRIC_PREFIXES if spec.online_rl else ())
+        own = RL_METRIC_PREFIXES if spec.online_rl else RM_METRIC_PREFIXES if spec.head == "score" else ()
+        assert spec.metric_prefixes == own
         assert spec.language_model_loss is (spec.data_kind in ("text", "chat"))
         assert spec.online_rl is (spec.data_kind == "prompts") is (spec.reference == "on_disk")
         assert not (spec.eval_generations and spec.online_rl)

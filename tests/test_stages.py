@@ -18,6 +18,8 @@ from lmforge.config import load_config
 from lmforge.config.schema import TokenizerTrainConfig
 from lmforge.data.chat_templates import BUILTIN_TEMPLATES
 from lmforge.data.tokenizer import train_tokenizer
+from lmforge.report import write_report
+from lmforge.report.stage_metrics_section import RM_TITLE
 from lmforge.train.runner import run_training
 from tests.conftest import ROOT, run_cli, save_tiny_llama
 
@@ -197,8 +199,8 @@ def test_preference_stages_train_and_save_loadable_models(
     assert out.shape[-1] == (1 if stage == "rm" else model.config.vocab_size)
 
 
-def test_dpo_loss_falls_on_a_small_preference_set(tmp_path: Path, base_model: Path) -> None:
-    """The chosen answers state the sum, the rejected ones refuse: a preference DPO learns quickly."""
+def sum_pairs(tmp_path: Path) -> Path:
+    """64 preference pairs whose chosen answers state the sum and whose rejected ones refuse."""
     pairs = [
         {"instruction": f"What is {a} + {b}?", "chosen": f"{a} + {b} = {a + b}", "rejected": "I do not know."}
         for a in range(1, 9)
@@ -206,6 +208,36 @@ def test_dpo_loss_falls_on_a_small_preference_set(tmp_path: Path, base_model: Pa
     ]
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    return data
+
+
+def test_reward_model_logs_pairwise_accuracy_and_margin_and_the_report_charts_them(
+    tmp_path: Path, base_model: Path
+) -> None:
+    """The rm stage's held-out pairs are measured at each evaluation: the share ranked right rises
+    from chance to nearly all as the model learns that stating the sum beats refusing."""
+    data = sum_pairs(tmp_path)
+    config = write_config(
+        tmp_path, base_model, "rm-measured", data, stage="rm", max_steps=24, eval_every=8, lr=3e-3
+    )
+    outcome = run_training(load_config(config, ["data.eval_fraction=0.2"]))
+    rows = records(outcome.run_dir)
+    trained = [r for r in rows if "loss" in r]
+    assert all(0.0 <= r["accuracy"] <= 1.0 and r["margin"] == r["margin"] for r in trained)
+    evals = [r for r in rows if "eval_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 8, 16, 24]
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0 for r in evals)
+    assert evals[-1]["eval_accuracy"] >= 0.9 and evals[-1]["eval_margin"] > evals[0]["eval_margin"] + 1.0, (
+        evals
+    )
+    page = write_report(outcome.run_dir).read_text()
+    section = page[page.index(RM_TITLE) :]
+    assert section.index("eval_accuracy") < section.index("eval_margin") < section.index(">accuracy<")
+
+
+def test_dpo_loss_falls_on_a_small_preference_set(tmp_path: Path, base_model: Path) -> None:
+    """The chosen answers state the sum, the rejected ones refuse: a preference DPO learns quickly."""
+    data = sum_pairs(tmp_path)
     outcome = run_training(
         load_config(write_config(tmp_path, base_model, "dpo-long", data, stage="dpo", max_steps=30, lr=3e-3))
     )

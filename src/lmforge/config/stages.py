@@ -41,6 +41,9 @@ Reference = Literal["none", "in_memory", "on_disk"]
 # Online RL's metrics under the names TRL logs them (GRPOTrainer / RLOOTrainer): the total and
 # per-function rewards, the share of groups without reward variance, KL to the reference, token
 # entropy, completion lengths and clipped shares, and the ratio-clipping fractions.
+# A reward model's pairwise figures as TRL's RewardTrainer logs them (train and eval_): the share of
+# pairs whose chosen answer scores above the rejected one, the mean score difference, the scores.
+RM_METRIC_PREFIXES = ("accuracy", "margin", "mean_reward", "min_reward", "max_reward")
 RL_METRIC_PREFIXES = (
     "reward",
     "rewards/",
@@ -112,6 +115,7 @@ def _preference(
     arguments: str,
     *,
     head: Literal["causal", "score"] = "causal",
+    metric_prefixes: tuple[str, ...] = (),
 ) -> StageSpec:
     generates = head == "causal"
     return StageSpec(
@@ -122,7 +126,7 @@ def _preference(
         reference=reference,
         head=head,
         guardrails=_LANGUAGE_MODEL_GUARDRAILS,  # log-sigmoid shaped losses: see the module docstring
-        metric_prefixes=(),
+        metric_prefixes=metric_prefixes,
         eval_generations=generates,
         eval_rows_answer=generates,
         trainer=trainer,
@@ -157,7 +161,15 @@ STAGE_SPECS: dict[str, StageSpec] = {
         # run without a reference (train/stages/preference.py).
         _preference("dpo", "pairs", "in_memory", "trl:DPOTrainer", "trl:DPOConfig"),
         _preference("kto", "labelled", "in_memory", "trl:KTOTrainer", "trl:KTOConfig"),
-        _preference("rm", "pairs", "none", "trl:RewardTrainer", "trl:RewardConfig", head="score"),
+        _preference(
+            "rm",
+            "pairs",
+            "none",
+            "trl:RewardTrainer",
+            "trl:RewardConfig",
+            head="score",
+            metric_prefixes=RM_METRIC_PREFIXES,
+        ),
         _online_rl("grpo", "trl:GRPOTrainer", "trl:GRPOConfig"),
         _online_rl("rloo", "trl:RLOOTrainer", "trl:RLOOConfig"),
     )

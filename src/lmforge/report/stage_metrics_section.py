@@ -1,6 +1,6 @@
 """The report's sections for metrics that only some stages record: online RL (reward, KL,
-entropy, completion lengths, clip fractions; TRL's GRPO / RLOO names) and Mixture-of-Experts
-(router losses, expert load). A run whose metrics.jsonl holds none of them shows neither.
+entropy, completion lengths, clip fractions; TRL's GRPO / RLOO names), a reward model's pairwise
+accuracy and margin (TRL's RewardTrainer), and Mixture-of-Experts (router losses, expert load). A run whose metrics.jsonl holds none of them shows neither.
 
 The families are matched by key prefix, so a stage that logs a new metric of its family is
 charted without a change here.
@@ -12,7 +12,7 @@ from fnmatch import fnmatchcase
 
 import numpy as np
 
-from lmforge.config.stages import RL_METRIC_PREFIXES
+from lmforge.config.stages import RL_METRIC_PREFIXES, RM_METRIC_PREFIXES
 from lmforge.report.html import esc
 from lmforge.report.load import RunSummary
 from lmforge.report.moe_section import expert_load_section
@@ -20,10 +20,12 @@ from lmforge.report.plots import PALETTE, Chart, Line, render_chart
 
 MOE_TITLE = "Mixture of experts"
 RL_TITLE = "Reinforcement learning"
+RM_TITLE = "Reward model: pairwise accuracy and margin"
 # (section title, key prefixes); a key belongs to the first family whose prefix it starts with.
 # The per-layer, per-expert counts (moe/layer{i}/...) are tables after the MoE charts, not charts.
 FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     (RL_TITLE, RL_METRIC_PREFIXES),
+    (RM_TITLE, RM_METRIC_PREFIXES),
     (MOE_TITLE, ("moe_", "aux_loss", "router_", "expert_")),
 )
 MAX_CHARTS = 16  # per family: a page stays readable whatever a stage logs
@@ -65,6 +67,20 @@ def rl_chart_order(run: RunSummary, keys: list[str]) -> list[str]:
     return sorted(keys, key=rank)
 
 
+def rm_chart_order(keys: list[str]) -> list[str]:
+    """The held-out pairs' figures first (whether the model ranks pairs it never saw), each in
+    RM_METRIC_PREFIXES' order: accuracy, margin, then the scores."""
+
+    def rank(key: str) -> tuple[bool, int]:
+        name = key.removeprefix("eval_")
+        return (
+            not key.startswith("eval_"),
+            next(i for i, p in enumerate(RM_METRIC_PREFIXES) if name.startswith(p)),
+        )
+
+    return sorted(keys, key=rank)
+
+
 def _flat(run: RunSummary, key: str) -> bool:
     values = run.series[key].finite()
     return len(values) > 1 and bool(np.all(values == values[0]))
@@ -77,6 +93,8 @@ def stage_metrics_sections(run: RunSummary) -> str:
         keys = stage_metric_keys(run, prefixes)
         if title == RL_TITLE:
             keys = rl_chart_order(run, keys)
+        if title == RM_TITLE:
+            keys = rm_chart_order(keys)
         tables = expert_load_section(run) if title == MOE_TITLE else ""
         if not keys and not tables:
             continue
