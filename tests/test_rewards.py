@@ -18,7 +18,14 @@ from pydantic import ValidationError
 from lmforge.config.schema import RewardConfig
 from lmforge.errors import UserInputError, WorkFailed
 from lmforge.train import rewards as rewards_module
-from lmforge.train.rewards import RewardFailed, RewardSet, build_reward_functions, completion_text
+from lmforge.train.rewards import (
+    ErrorPolicy,
+    RewardFailed,
+    RewardSet,
+    build_reward_functions,
+    completion_text,
+    skip_failed_groups,
+)
 
 GROUP = 2
 
@@ -452,3 +459,59 @@ def test_the_first_reward_logs_each_rows_reference_for_the_samples() -> None:
         ("What group is cat in?", "animal", 1.0),
         ("7?", "7", 0.0),
     ]
+
+
+def guarded(user_file: Path, name: str, on_error: str, max_fraction: float = 0.5) -> Any:
+    """A user reward under train.rl.on_reward_error `on_error`."""
+    return build_reward_functions(
+        [RewardConfig(kind="python", function=f"{user_file}:{name}", run_user_code=True)],
+        has_reference=True,
+        group_size=GROUP,
+        tokenizer=None,
+        policy=ErrorPolicy(on_error, max_fraction),  # type: ignore[arg-type]
+    ).functions[0]
+
+
+def test_a_failing_completion_counts_zero_or_none_and_is_logged(
+    user_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The batch call raises on "boom": each completion is scored alone, the one that fails gets 0
+    (zero) or no reward (skip_group), the share of failures goes to TRL's log_metric, and the
+    failure is logged naming the completion and its prompt."""
+    completions = [as_messages(t) for t in ("fine", "boom", "fine", "fine")]
+    for on_error, fallback in (("zero", 0.0), ("skip_group", None)):
+        logged: dict[str, float] = {}
+        with caplog.at_level(logging.WARNING, logger="lmforge.train.rewards"):
+            got = call(guarded(user_file, "explode", on_error), completions, log_metric=logged.__setitem__)
+        assert got == [1.0, fallback, 1.0, 1.0]
+        assert logged == {"rewards/explode/failed": 0.25}
+        assert "reward 'explode' failed on completion 1 of the batch (prompt 0" in caplog.text
+        assert "ZeroDivisionError" in caplog.text
+    # A value that is no number (None, NaN) is a failure of that completion too.
+    bad = [as_messages(t) for t in ("bad", "ok")]
+    assert call(guarded(user_file, "nan", "zero"), bad) == [0.0, 1.0]
+    assert call(guarded(user_file, "none", "skip_group"), bad) == [None, 1.0]
+
+
+def test_failures_past_the_fraction_stop_the_run_and_a_broken_function_always_does(user_file: Path) -> None:
+    reward = guarded(user_file, "explode", "zero", max_fraction=0.3)
+    half_boom = [as_messages(t) for t in ("boom", "fine") * 4]
+    for _ in range(3):  # 24 completions scored: under MIN_JUDGED, so counted and zeroed
+        assert call(reward, half_boom) == [0.0, 1.0] * 4
+    with pytest.raises(
+        RewardFailed,
+        match=r"failed on 16 of the 32 completions it scored \(50%, more than "
+        r"train.rl.max_reward_error_fraction 0.3\); the latest: reward 'explode' failed on completion 0",
+    ):
+        call(reward, half_boom)
+    with pytest.raises(RewardFailed, match=r"returned 1 rewards for a batch of 3 completions"):
+        call(guarded(user_file, "short", "zero"), [as_messages("a")] * 3)
+
+
+def test_skip_group_leaves_every_row_of_a_failed_group_without_reward() -> None:
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, 0.5], [0.0, nan], [1.0, 1.0], [0.0, 0.0], [nan, nan], [1.0, 0.0]])
+    skipped = skip_failed_groups(rewards, group_size=2)
+    assert torch.isnan(skipped[:2]).all() and torch.isnan(skipped[4:]).all()  # groups 0 and 2
+    assert torch.equal(skipped[2:4], rewards[2:4])
+    assert not torch.isnan(rewards[0]).any()  # TRL's tensor is left as it was

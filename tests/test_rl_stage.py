@@ -152,15 +152,22 @@ def test_each_loss_variant_trains(tmp_path: Path, task: dict[str, Path], loss: s
 
 def test_rloo_scores_with_a_reward_model_and_a_user_function(tmp_path: Path, task: dict[str, Path]) -> None:
     """RLOO with two rewards at once: a sequence-classification model directory (as train.stage rm
-    leaves it) and the user's own function, each under its own name in the metrics."""
+    leaves it) and the user's own function, each under its own name in the metrics. The function
+    is flaky (every other call raises) and on_reward_error skip_group carries the run through:
+    the failures are counted in the metrics and their groups sit the update out."""
     reward_model = AutoModelForSequenceClassification.from_pretrained(task["base"], num_labels=1)
     reward_model.config.pad_token_id = 1
     reward_model.save_pretrained(tmp_path / "rm")
     (tmp_path / "my_rewards.py").write_text(
+        "calls = [0]\n"
         "def short(completions, answer, **kwargs):\n"
+        "    calls[0] += 1\n"
+        "    if calls[0] % 2:\n"
+        "        raise RuntimeError('the scoring service timed out')\n"
         "    return [1.0 if len(c[0]['content']) <= 6 else 0.0 for c in completions]\n"
     )
     config = rl_config(tmp_path, task, "rloo", stage="rloo")
+    config["train"]["rl"].update(on_reward_error="skip_group", max_reward_error_fraction=1.0)
     config["train"]["rewards"] = [
         {"kind": "model", "path": str(tmp_path / "rm"), "weight": 0.5},
         {"kind": "python", "function": f"{tmp_path / 'my_rewards.py'}:short", "run_user_code": True},
@@ -168,7 +175,13 @@ def test_rloo_scores_with_a_reward_model_and_a_user_function(tmp_path: Path, tas
     outcome = run_training(load_config(None, base=config))
     rows = [r for r in records(outcome.run_dir) if "loss" in r]
     assert len(rows) == 2
-    assert all("rewards/model/mean" in r and "rewards/short/mean" in r for r in rows)
+    # The first batch: the call raised, each completion was scored alone and every other one failed,
+    # so every group had a failure and sat the update out (no reward to average, loss 0).
+    assert rows[0]["rewards/short/failed"] == 0.5 and rows[0]["rewards/model/failed"] == 0.0
+    assert "reward" not in rows[0] and rows[0]["loss"] == 0.0
+    # The second: the call succeeded, every completion scored by both rewards.
+    assert rows[1]["rewards/short/failed"] == 0.0
+    assert "rewards/model/mean" in rows[1] and "rewards/short/mean" in rows[1] and "reward" in rows[1]
 
 
 def test_a_raising_reward_stops_the_run_with_its_message(tmp_path: Path, task: dict[str, Path]) -> None:

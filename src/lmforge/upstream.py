@@ -288,6 +288,13 @@ REGISTRY: tuple[Coupling, ...] = (
     Coupling("transformers:Gemma2Config.final_logit_softcapping", "attribute", _SAVERS,
              "switched off while the chunked cross-entropy applies the softcap itself, then restored",
              instance="transformers:Gemma2Config"),
+    *(
+        Coupling(f"trl.trainer.{module}:{cls}._calculate_rewards", "override", _STEP,
+                 "train.rl.on_reward_error skip_group: every row of a group in which a reward failed loses its "
+                 "rewards (NaN, TRL's unscorable rows: no advantage, out of the baseline)",
+                 ("self", "inputs", "prompts", "completions", "completion_ids_list"))
+        for module, cls in (("grpo_trainer", "GRPOTrainer"), ("rloo_trainer", "RLOOTrainer"))
+    ),
     Coupling("trl.trainer.grpo_trainer:GRPOTrainer._logs", "private_attribute", "train/rl_samples.py",
              "TRL keeps the logged prompts, completions and rewards there: lmforge sends the latest as samples",
              set_in="trl.trainer.grpo_trainer:GRPOTrainer.__init__"),

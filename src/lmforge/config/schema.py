@@ -466,6 +466,21 @@ class RlConfig(Section):
     log_completions: int = Field(
         4, ge=0, description="Sample completions with their rewards kept per logged step (0: none)."
     )
+    on_reward_error: Literal["stop", "zero", "skip_group"] = Field(
+        "stop",
+        description="A reward that raises or gives no finite number for a completion: stop the run before the "
+        "update (naming the reward, the prompt and the completion); zero: that reward gives the completion 0; "
+        "skip_group: the completion's whole group is left out of the update (TRL's unscorable rows: no "
+        "advantage, not in the baseline). With zero / skip_group each reward logs rewards/<name>/failed, the "
+        "share of its completions that failed.",
+    )
+    max_reward_error_fraction: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="With on_reward_error zero / skip_group: stop once more than this share of a reward's "
+        "completions so far have failed (judged from 32 completions on).",
+    )
 
 
 class RlGuardConfig(Section):

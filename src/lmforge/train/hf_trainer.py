@@ -38,6 +38,7 @@ from lmforge.train.batches import batch_size, split_batch
 from lmforge.train.memory_savers import memory_savers
 from lmforge.train.numerics import MIX_SOURCE_KEY, REAL_TOKENS_KEY
 from lmforge.train.optimizers import build_optimizer, needs_own_optimizer, wsd_scheduler_kwargs
+from lmforge.train.rewards import skip_failed_groups
 from lmforge.train.step import TrainStep, logs_at, save_mix_tokens
 from lmforge.train.stream_loading import (
     is_stream,
@@ -174,6 +175,19 @@ class HFTrainerAdapter(Trainer):
             super()._load_rng_state(checkpoint)
 
     # -- each micro-batch -------------------------------------------------------------------------
+
+    def _calculate_rewards(
+        self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any
+    ) -> Any:
+        # Online RL only (TRL's GRPO / RLOO trainers define it): with on_reward_error skip_group, a
+        # group in which a reward failed on some completion sits the update out as a whole.
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)  # type: ignore[misc]
+        settings = self.train_settings
+        if settings is None or settings.rl.on_reward_error != "skip_group":
+            return rewards
+        training = self.model is not None and self.model.training
+        group_size = self.num_generations if training else self.num_generations_eval  # type: ignore[attr-defined]
+        return skip_failed_groups(rewards, group_size)
 
     def get_batch_samples(self, epoch_iterator: Iterator[Any], num_batches: int, device: Any) -> Any:
         started = time.perf_counter()

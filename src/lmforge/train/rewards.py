@@ -6,7 +6,10 @@ completion; it names the metrics `rewards/<f.__name__>/mean`. Each configured re
 such function, named by its label. Every function, built-in or the user's, goes through one
 checker: a reward that raises, or gives None, NaN, infinity or the wrong count, stops the run
 with a `RewardFailed` naming the reward, the completion and its prompt, before the policy
-update that would have used it. TRL itself would turn None into NaN and train on it.
+update that would have used it. TRL itself would turn None into NaN and train on it. Under
+`train.rl.on_reward_error: zero | skip_group` a failed completion gets 0, or no reward (its group
+then sits the update out), each failure is logged and counted (rewards/<name>/failed), and the
+run stops once more than `max_reward_error_fraction` of a reward's completions have failed.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
 
 from lmforge.config.schema import RewardConfig
 from lmforge.errors import UserInputError, WorkFailed
@@ -36,6 +41,10 @@ MATH_TIMEOUT_S = 5
 _CUT = 60  # characters of a prompt or completion quoted in an error
 
 
+# What TRL calls: one reward per completion, None where it has none (TRL's unscorable rows).
+CheckedReward = Callable[..., list[float | None]]
+
+
 class RewardFailed(WorkFailed):
     """A reward function raised, or returned something other than one finite float per completion."""
 
@@ -44,7 +53,7 @@ class RewardFailed(WorkFailed):
 class RewardSet:
     """The reward functions of a run, their weights, and a line to show at start (or None)."""
 
-    functions: list[RewardFn]
+    functions: list[CheckedReward]
     weights: list[float]
     announcement: str | None = None
 
@@ -56,6 +65,7 @@ def build_reward_functions(
     group_size: int,
     tokenizer: PreTrainedTokenizerBase | None,
     device: str = "cpu",
+    policy: ErrorPolicy | None = None,
 ) -> RewardSet:
     """The checked reward functions of `train.rewards`, or exact match against the reference
     when none is configured. Everything that can fail before training fails here: a reward
@@ -87,7 +97,13 @@ def build_reward_functions(
     functions = [
         # The first function also puts each row's reference answer in TRL's completion log
         # (rl_samples.jsonl shows it next to the completion and its reward).
-        _checked(_build_one(index, reward, tokenizer, device), name, group_size, logs_reference=index == 0)
+        _checked(
+            _build_one(index, reward, tokenizer, device),
+            name,
+            group_size,
+            logs_reference=index == 0,
+            policy=policy or ErrorPolicy(),
+        )
         for index, (reward, name) in enumerate(zip(rewards, names, strict=True))
     ]
     return RewardSet(functions, [reward.weight for reward in rewards], announcement)
@@ -249,30 +265,102 @@ def _reference_readings(reference: str) -> list[str]:
     return [f"${reference}$", reference]
 
 
-def _checked(function: RewardFn, name: str, group_size: int, *, logs_reference: bool = False) -> RewardFn:
+@dataclass(frozen=True)
+class ErrorPolicy:
+    """What a reward that fails on a completion does (train.rl.on_reward_error), and the share of
+    failures over which the run stops anyway (train.rl.max_reward_error_fraction)."""
+
+    on_error: Literal["stop", "zero", "skip_group"] = "stop"
+    max_fraction: float = 0.1
+
+
+MIN_JUDGED = 32  # completions a reward scores before its share of failures can stop the run
+
+
+def _checked(
+    function: RewardFn,
+    name: str,
+    group_size: int,
+    *,
+    logs_reference: bool = False,
+    policy: ErrorPolicy = ErrorPolicy(),
+) -> CheckedReward:
     """`function` under the rules every reward follows, named `name` (TRL's metric name).
     `logs_reference`: also hand the batch's reference answers to TRL's `log_extra`, which keeps
-    them in the trainer's completion log next to the prompts (`_logs["extra"]["answer"]`)."""
+    them in the trainer's completion log next to the prompts (`_logs["extra"]["answer"]`).
+    A completion the function fails on stops the run, or under `policy` gets 0 (zero) or None
+    (skip_group: TRL leaves a row without a reward out, and the adapter its group)."""
+    tally = {"failed": 0, "scored": 0}
 
-    def reward(**kwargs: Any) -> list[float]:
+    def reward(**kwargs: Any) -> list[float | None]:
         if logs_reference and REFERENCE_COLUMN in kwargs and callable(kwargs.get("log_extra")):
             kwargs["log_extra"](REFERENCE_COLUMN, [_logged_reference(r) for r in kwargs[REFERENCE_COLUMN]])
         try:
             values = function(**kwargs)
+            problems: dict[int, str] = {}
         except Exception as err:
-            raise _failure_of_exception(function, name, group_size, kwargs, err) from err
-        return _finite_floats(values, name, group_size, kwargs)
+            if policy.on_error == "stop":
+                raise _failure_of_exception(function, name, group_size, kwargs, err) from err
+            values, problems = _scored_alone(function, kwargs)
+        numbers = _numbers(values, name, kwargs, problems)
+        if problems and policy.on_error == "stop":
+            i = min(problems)
+            raise RewardFailed(f"{_failure_text(name, i, group_size, kwargs, problems[i])}. {_STOPPED}")
+        if policy.on_error != "stop":
+            _count_failures(tally, problems, name, group_size, kwargs, policy)
+        fallback = 0.0 if policy.on_error == "zero" else None
+        scored: list[float | None] = [fallback if i in problems else n for i, n in enumerate(numbers)]
+        return scored
 
     reward.__name__ = reward.__qualname__ = name
     return reward
+
+
+def _count_failures(
+    tally: dict[str, int],
+    problems: dict[int, str],
+    name: str,
+    group_size: int,
+    kwargs: dict[str, Any],
+    policy: ErrorPolicy,
+) -> None:
+    """Add a batch's failures to the reward's tally, log their share (rewards/<name>/failed) and the
+    first of them; a RewardFailed once the tally's share passes the policy's fraction."""
+    count = len(kwargs["completions"])
+    tally["failed"] += len(problems)
+    tally["scored"] += count
+    if callable(kwargs.get("log_metric")):
+        kwargs["log_metric"](f"rewards/{name}/failed", len(problems) / max(count, 1))
+    if not problems:
+        return
+    i = min(problems)
+    latest = _failure_text(name, i, group_size, kwargs, problems[i])
+    counted = "0" if policy.on_error == "zero" else "no reward: its group sits this update out"
+    log.warning(
+        "%s; %d of this batch's %d completions failed, each counted as %s",
+        latest,
+        len(problems),
+        count,
+        counted,
+    )
+    share = tally["failed"] / tally["scored"]
+    if tally["scored"] >= MIN_JUDGED and share > policy.max_fraction:
+        raise RewardFailed(
+            f"reward {name!r} failed on {tally['failed']} of the {tally['scored']} completions it scored "
+            f"({share:.0%}, more than train.rl.max_reward_error_fraction {policy.max_fraction:g}); the latest: "
+            f"{latest}. Fix the reward (or raise the fraction). The run stopped before the policy update of "
+            "this batch"
+        )
 
 
 def _logged_reference(value: Any) -> str | None:
     return None if value is None else str(value).strip()
 
 
-def _finite_floats(values: Any, name: str, group_size: int, kwargs: dict[str, Any]) -> list[float]:
-    """`values` as one finite float per completion, or a RewardFailed saying which is not."""
+def _numbers(values: Any, name: str, kwargs: dict[str, Any], problems: dict[int, str]) -> list[float]:
+    """`values` as one float per completion; a value that is no finite number is added to
+    `problems` (its index -> what it was) and stands as NaN. A result that is not one value per
+    completion stops the run whatever the policy: the function itself is broken."""
     count = len(kwargs["completions"])
     try:
         values = list(values)
@@ -286,19 +374,33 @@ def _finite_floats(values: Any, name: str, group_size: int, kwargs: dict[str, An
             f"reward {name!r} returned {len(values)} rewards for a batch of {count} completions; it must return "
             f"one per completion. {_STOPPED}"
         )
-    floats = []
+    numbers = []
     for i, value in enumerate(values):
         try:
             number = float(value)
         except (TypeError, ValueError):
             number = math.nan
-        if not math.isfinite(number):
+        if not math.isfinite(number) and i not in problems:
             got = "None" if value is None else f"{value!r} ({type(value).__name__})"
-            raise RewardFailed(
-                _failure_text(name, i, group_size, kwargs, f"it returned {got}, not a finite number")
-            )
-        floats.append(number)
-    return floats
+            problems[i] = f"it returned {got}, not a finite number"
+        numbers.append(number)
+    return numbers
+
+
+def _scored_alone(function: RewardFn, kwargs: dict[str, Any]) -> tuple[list[Any], dict[int, str]]:
+    """A batch the function raised on, scored one completion at a time: each value (None where it
+    raised again) and what each failing call raised."""
+    count = len(kwargs["completions"])
+    values: list[Any] = []
+    problems: dict[int, str] = {}
+    for i in range(count):
+        try:
+            alone = list(function(**_one_completion(kwargs, i, count)))
+            values.append(alone[0] if len(alone) == 1 else None)
+        except Exception as err:
+            problems[i] = f"{type(err).__name__}: {err}"
+            values.append(None)
+    return values, problems
 
 
 def _failure_of_exception(
@@ -307,13 +409,10 @@ def _failure_of_exception(
     """A RewardFailed for a reward that raised on a batch, pointing at the first completion that
     fails when scored alone (the run stops anyway, so the extra calls cost nothing that matters)."""
     count = len(kwargs["completions"])
-    for i in range(count):
-        try:
-            function(**_one_completion(kwargs, i, count))
-        except Exception as alone:
-            return RewardFailed(
-                _failure_text(name, i, group_size, kwargs, f"{type(alone).__name__}: {alone}")
-            )
+    _, problems = _scored_alone(function, kwargs)
+    if problems:
+        i = min(problems)
+        return RewardFailed(f"{_failure_text(name, i, group_size, kwargs, problems[i])}. {_STOPPED}")
     return RewardFailed(
         f"reward {name!r} failed on a batch of {count} completions ({type(err).__name__}: {err}), though "
         f"it scores each of them alone without error. {_STOPPED}"
@@ -335,14 +434,25 @@ _STOPPED = "The run stopped before the policy update of this batch (no reward wa
 
 
 def _failure_text(name: str, i: int, group_size: int, kwargs: dict[str, Any], what: str) -> str:
-    """Which reward failed on which completion of which prompt, how, and what that means."""
+    """Which reward failed on which completion of which prompt, and how."""
     prompts, completions = kwargs.get("prompts"), kwargs["completions"]
     prompt = _cut(_prompt_text(prompts[i])) if prompts is not None and i < len(prompts) else "?"
     return (
         f"reward {name!r} failed on completion {i} of the batch (prompt {i // group_size} of the batch, "
         f"{group_size} completions per prompt; prompt {prompt}, completion {_cut(completion_text(completions[i]))}): "
-        f"{what}. {_STOPPED}"
+        f"{what}"
     )
+
+
+def skip_failed_groups(rewards_per_func: torch.Tensor, group_size: int) -> torch.Tensor:
+    """TRL's rewards (completions x functions, the whole batch) with every row of a group in which
+    some reward failed set to NaN: TRL gives rows without any reward no advantage and leaves them
+    out of the group baseline, so the group teaches nothing (train.rl.on_reward_error: skip_group)."""
+    failed = torch.isnan(rewards_per_func).any(dim=1).view(-1, group_size).any(dim=1)
+    rows = failed.repeat_interleave(group_size)
+    skipped = rewards_per_func.clone()
+    skipped[rows] = torch.nan
+    return skipped
 
 
 def _prompt_text(prompt: Any) -> str:

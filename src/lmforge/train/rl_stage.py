@@ -18,7 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lmforge.config.schema import ADAPTER_METHODS, TrainConfig
 from lmforge.run_layout import RunPaths
-from lmforge.train.rewards import RewardSet, build_reward_functions
+from lmforge.train.rewards import ErrorPolicy, RewardSet, build_reward_functions
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,11 @@ def build_rl_rewards(train: TrainConfig, dataset: Any, tokenizer: PreTrainedToke
     and on the console."""
     has_reference = "answer" in getattr(dataset, "column_names", [])
     rewards = build_reward_functions(
-        train.rewards, has_reference=has_reference, group_size=train.rl.group_size, tokenizer=tokenizer
+        train.rewards,
+        has_reference=has_reference,
+        group_size=train.rl.group_size,
+        tokenizer=tokenizer,
+        policy=ErrorPolicy(train.rl.on_reward_error, train.rl.max_reward_error_fraction),
     )
     if rewards.announcement:
         log.warning(rewards.announcement)
