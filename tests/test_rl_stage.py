@@ -140,14 +140,32 @@ def test_grpo_with_exact_match_raises_the_mean_reward(tmp_path: Path, task: dict
 @pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "bnpo", "gspo"])
 def test_each_loss_variant_trains(tmp_path: Path, task: dict[str, Path], loss: str) -> None:
     """Each loss variant runs two steps with a KL term against the starting weights (a full
-    fine-tune: TRL loads the reference from <run>/reference/, written once)."""
+    fine-tune: TRL loads the reference from <run>/reference/, written once), and the settings TRL
+    resolved are in rl_settings.json. The dapo run also sets TRL's sampling and reuse knobs."""
     config = rl_config(tmp_path, task, f"loss-{loss}")
-    config["train"]["rl"].update({"loss": loss, "beta": 0.05})
+    knobs = {
+        "num_iterations": 2,
+        "steps_per_generation": 2,
+        "top_k": 5,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+    }
+    config["train"]["rl"].update({"loss": loss, "beta": 0.05, **(knobs if loss == "dapo" else {})})
     outcome = run_training(load_config(None, base=config))
     rows = [r for r in records(outcome.run_dir) if "loss" in r]
     assert len(rows) == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert all("kl" in r for r in rows)
     assert (outcome.run_dir / "reference" / "model.safetensors").is_file()
+    settings = json.loads((outcome.run_dir / "rl_settings.json").read_text())
+    assert settings["trainer"] == "trl:GRPOTrainer" and settings["beta"] == 0.05
+    assert settings["loss_type"] == ("grpo" if loss == "gspo" else loss)
+    assert settings["importance_sampling_level"] == ("sequence" if loss == "gspo" else "token")
+    assert settings["scale_rewards"] == "group" and settings["num_generations"] == 4
+    if loss == "dapo":
+        assert {key: settings[key] for key in knobs} == knobs
+        assert settings["generation_batch_size"] == 16  # 8 completions per step x 2 steps per generation
+    else:  # TRL's defaults, resolved: one update per batch, one step per generation (grad_accum 1)
+        assert (settings["num_iterations"], settings["steps_per_generation"], settings["top_k"]) == (1, 1, 0)
 
 
 def test_rloo_scores_with_a_reward_model_and_a_user_function(tmp_path: Path, task: dict[str, Path]) -> None:
@@ -233,6 +251,11 @@ def test_rl_config_mistakes_are_refused_before_training(tmp_path: Path, task: di
     config["train"]["rewards"] = [{"kind": "format", "pattern": "x"}]
     result = run_cli("train", str(write(tmp_path, config)))
     assert result.returncode == 2 and "multiple of the group size" in result.stderr
+    config["train"].update(micro_batch_size=2, grad_accum=2)
+    config["train"]["rl"]["steps_per_generation"] = 1
+    result = run_cli("train", str(write(tmp_path, config)))
+    assert result.returncode == 2 and "train.rl.steps_per_generation" in result.stderr
+    assert "whole groups of train.rl.group_size" in result.stderr
 
 
 def test_vllm_generation_without_a_gpu_stops_before_any_work(tmp_path: Path, task: dict[str, Path]) -> None:

@@ -51,6 +51,11 @@ class RunPaths:
         return self.root / "rl_samples.jsonl"
 
     @property
+    def rl_settings(self) -> Path:
+        """Online RL: the update's settings as the TRL trainer resolved them (loss, ratios, sampling)."""
+        return self.root / "rl_settings.json"
+
+    @property
     def reference(self) -> Path:
         """Online RL with a KL term on a full fine-tune: the starting weights TRL loads as its reference."""
         return self.root / "reference"

@@ -182,6 +182,16 @@ RULES: list[Rule] = [
         "make their product a multiple of the group size",
     ),
     (
+        lambda c: (
+            stage_spec(c.train.stage).online_rl
+            and c.train.rl.steps_per_generation is not None
+            and (c.train.micro_batch_size * c.train.rl.steps_per_generation) % c.train.rl.group_size != 0
+        ),
+        "train.rl.steps_per_generation",
+        "one generation makes train.micro_batch_size x train.rl.steps_per_generation completions per process, "
+        "which must be whole groups of train.rl.group_size; make their product a multiple of the group size",
+    ),
+    (
         lambda c: c.train.stage == "rloo" and "loss" in c.train.rl.model_fields_set,
         "train.rl.loss",
         "train.rl.loss selects GRPO's loss variants; RLOO has its own estimator: leave train.rl.loss unset",

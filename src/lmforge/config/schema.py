@@ -441,6 +441,30 @@ class RlConfig(Section):
     max_completion_length: int = Field(64, ge=1, description="Tokens generated per completion at most.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of the completions.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling of the completions.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling of the completions (0: off).")
+    min_p: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Min-p sampling: a token needs this share of the most likely token's probability.",
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0,
+        description="Penalty on tokens already in the prompt or completion (above 1: fewer repeats).",
+    )
+    num_iterations: int = Field(
+        1,
+        ge=1,
+        description="Policy updates on each batch of completions (TRL's num_iterations, the GRPO paper's mu); "
+        "above 1 the later updates are off-policy and the clipped ratio (epsilon) bounds them.",
+    )
+    steps_per_generation: int | None = Field(
+        None,
+        ge=1,
+        description="Optimizer steps per generated batch (TRL's steps_per_generation; default train.grad_accum): "
+        "one generation serves that many steps, the later ones off-policy.",
+    )
     beta: float = Field(
         0.0,
         ge=0,

@@ -9,6 +9,7 @@ clipped policy loss) is TRL's.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lmforge.config.schema import ADAPTER_METHODS, TrainConfig
+from lmforge.distributed.ranks import current_world
 from lmforge.run_layout import RunPaths
 from lmforge.train.rewards import ErrorPolicy, RewardSet, build_reward_functions
 
@@ -57,3 +59,28 @@ def reference_model_path(
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank loads the copy rank 0 wrote
     model.config._name_or_path = str(target)
+
+
+def record_rl_settings(settings: dict[str, Any], paths: RunPaths) -> None:
+    """Write the update's resolved settings to rl_settings.json (main process) and say them in one
+    line at start: what a reader of a curve needs to know about how it was trained."""
+    if current_world().is_main:
+        paths.rl_settings.write_text(json.dumps(settings, indent=1, default=str) + "\n", encoding="utf-8")
+    loss = settings.get("loss_type", "rloo")
+    level = settings.get("importance_sampling_level")
+    scaling = settings.get("scale_rewards", "group" if settings.get("normalize_advantages") else "none")
+    log.info(
+        "online RL: %s, loss %s%s, epsilon %s-%s, beta %s, rewards scaled by %s; %s completions per prompt, "
+        "%s update(s) per batch, %s step(s) per generation (all in %s)",
+        settings["trainer"].rpartition(":")[2],
+        loss,
+        f" ({level}-level ratios)" if level else "",
+        settings.get("epsilon"),
+        settings.get("epsilon_high", settings.get("epsilon")),
+        settings.get("beta"),
+        scaling,
+        settings.get("num_generations"),
+        settings.get("num_iterations"),
+        settings.get("steps_per_generation"),
+        paths.rl_settings.name,
+    )

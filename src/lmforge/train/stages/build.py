@@ -25,9 +25,9 @@ from lmforge.train.arguments import build_training_arguments
 from lmforge.train.hf_trainer import HFTrainerAdapter, with_stage_trainer
 from lmforge.train.numerics import CountingCollator
 from lmforge.train.preflight import uses_vllm
-from lmforge.train.rl_stage import build_rl_rewards
+from lmforge.train.rl_stage import build_rl_rewards, record_rl_settings
 from lmforge.train.stages.binding import TrlStage, resolve_class
-from lmforge.train.stages.online_rl import online_rl_stage
+from lmforge.train.stages.online_rl import online_rl_stage, resolved_rl_settings
 from lmforge.train.stages.preference import PREFERENCE_STAGES
 from lmforge.train.step import TrainStep
 
@@ -97,6 +97,8 @@ def build_stage_trainer(
             **adapter,
         )
     configure(args)
+    if spec.online_rl:
+        record_rl_settings(resolved_rl_settings(args, cfg.train), paths)
     extra: dict[str, Any] = {"ref_model": reference} if stage.takes_reference else {}
     extra.update(stage.extra)
     return with_stage_trainer(stage.trainer)(

@@ -23,6 +23,11 @@ def rl_config_values(train: TrainConfig, rewards: RewardSet, *, use_vllm: bool) 
         "max_completion_length": rl.max_completion_length,
         "temperature": rl.temperature,
         "top_p": rl.top_p,
+        "top_k": rl.top_k,
+        "min_p": rl.min_p,
+        "repetition_penalty": rl.repetition_penalty,
+        "num_iterations": rl.num_iterations,
+        "steps_per_generation": rl.steps_per_generation,
         "beta": rl.beta,
         "epsilon": rl.epsilon,
         "epsilon_high": rl.epsilon_high if rl.epsilon_high is not None else rl.epsilon,
@@ -65,6 +70,46 @@ _LOSS_VALUES: dict[str, Callable[[RlConfig], dict[str, Any]]] = {
     "grpo": _grpo_loss_values,
     "rloo": _rloo_loss_values,
 }
+
+
+# What decides an online-RL update, read back from the trainer's own config once it is built (TRL
+# resolves some of them: steps_per_generation defaults to the accumulation, generation_batch_size).
+RESOLVED_SETTINGS = (
+    "loss_type",
+    "importance_sampling_level",
+    "scale_rewards",
+    "normalize_advantages",
+    "epsilon",
+    "epsilon_high",
+    "beta",
+    "num_generations",
+    "num_iterations",
+    "steps_per_generation",
+    "generation_batch_size",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_completion_length",
+    "mask_truncated_completions",
+    "use_vllm",
+    "vllm_mode",
+    "vllm_importance_sampling_correction",
+    "vllm_importance_sampling_mode",
+)
+
+
+def resolved_rl_settings(args: Any, train: TrainConfig) -> dict[str, Any]:
+    """The update's settings as the TRL trainer's config holds them (the ones it has), with the
+    trainer class and lmforge's reward-error policy: written to the run directory at start."""
+    settings = {name: getattr(args, name) for name in RESOLVED_SETTINGS if hasattr(args, name)}
+    return {
+        "trainer": stage_spec(train.stage).trainer,
+        **settings,
+        "on_reward_error": train.rl.on_reward_error,
+        "max_reward_error_fraction": train.rl.max_reward_error_fraction,
+    }
 
 
 def online_rl_stage(train: TrainConfig, rewards: RewardSet, *, use_vllm: bool) -> TrlStage:
