@@ -278,3 +278,57 @@ def test_a_grpo_run_exports_like_the_other_stages(tmp_path: Path, task: dict[str
     assert outcome.export is not None and not outcome.export.failures
     verdict = outcome.export.artifacts["gguf"]["verification"]
     assert verdict["passed"], verdict
+
+
+def test_rl_check_passes_a_policy_that_can_learn_and_fails_one_that_cannot(
+    tmp_path: Path, task: dict[str, Path]
+) -> None:
+    """`lmforge rl check`: the SFT policy passes every check (some groups have reward variance,
+    generation and trainer log-probs agree, the template round-trips and its end of turn stops
+    generation); the untrained base fails with the reasons and the levers (exit 1); a reward that
+    scores the reference answer below a sampled completion is flagged."""
+    good = run_cli("rl", "check", str(write(tmp_path, rl_config(tmp_path, task, "check-sft"))), "--json")
+    assert good.returncode == 0, good.stderr[-2000:]
+    report = json.loads(good.stdout)
+    checks = {c["name"]: c for c in report["checks"]}
+    assert [c["status"] for c in report["checks"]] == ["pass"] * 5, report
+    assert (
+        checks["agreement"]["figures"]["tokens"] > 0 and checks["agreement"]["figures"]["max_abs_diff"] < 1e-4
+    )
+    assert checks["group_signal"]["figures"]["zero_variance_groups"] < 1.0
+    assert checks["group_signal"]["figures"]["reward_max"] == 1.0
+    assert report["example"]["with_loss"] > 0 and report["seconds"] < 30
+
+    base = rl_config(tmp_path, task, "check-base")
+    base["model"]["path"] = str(task["base"])
+    table = run_cli("rl", "check", str(write(tmp_path, base)))
+    assert table.returncode == 1 and "group_signal" in table.stdout and "fail" in table.stdout
+    bad = {
+        c["name"]: c
+        for c in json.loads(run_cli("rl", "check", str(write(tmp_path, base)), "--json").stdout)["checks"]
+    }
+    assert bad["group_signal"]["status"] == "fail"
+    assert "100% of the groups have zero reward variance" in bad["group_signal"]["summary"]
+    assert "Levers: a higher train.rl.temperature" in bad["group_signal"]["summary"]
+    # The base's generation config stops at <|endoftext|> only: its completions would never end.
+    assert (
+        bad["stop"]["status"] == "fail"
+        and "ends an assistant turn with '<|im_end|>'" in bad["stop"]["summary"]
+    )
+
+    (tmp_path / "contrary.py").write_text(
+        "def contrary(completions, answer, **kwargs):\n"
+        "    return [-1.0 if c[0]['content'].strip() == a else 0.0 for c, a in zip(completions, answer)]\n"
+    )
+    config = rl_config(tmp_path, task, "check-contrary")
+    config["train"]["rewards"] = [
+        {"kind": "python", "function": f"{tmp_path / 'contrary.py'}:contrary", "run_user_code": True}
+    ]
+    flagged = json.loads(run_cli("rl", "check", str(write(tmp_path, config)), "--json").stdout)
+    reference = next(c for c in flagged["checks"] if c["name"] == "reference")
+    assert reference["status"] == "warn" and "contrary" in reference["summary"]
+    assert reference["figures"]["contrary"]["reference_min"] == -1.0
+
+    sft_config = rl_config(tmp_path, task, "not-rl", stage="sft")
+    refused = run_cli("rl", "check", str(write(tmp_path, sft_config)))
+    assert refused.returncode == 2 and "rl check is for online RL" in refused.stderr

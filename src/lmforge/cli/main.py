@@ -27,6 +27,7 @@ from lmforge.cli.launch import launch
 from lmforge.cli.monitor import monitor_app
 from lmforge.cli.push import push, registry_app
 from lmforge.cli.report import report, runs_app
+from lmforge.cli.rl import rl_app
 from lmforge.cli.sweep import sweep
 from lmforge.cli.train import prepare, train
 from lmforge.config import dump_config, load_config
@@ -55,6 +56,7 @@ app.add_typer(config_app, name="config")
 app.add_typer(tokenizer_app, name="tokenizer")
 app.add_typer(ckpt_app, name="ckpt")
 app.add_typer(monitor_app, name="monitor")
+app.add_typer(rl_app, name="rl")
 # The order of `lmforge --help`: the pipeline's own order, then the tools.
 app.command("train")(train)
 app.command("prepare")(prepare)

@@ -1,0 +1,420 @@
+"""`lmforge rl check CONFIG`: whether an online-RL run (train.stage grpo / rloo) can learn, before
+any update.
+
+On a sample of the run's prompts, with the run's model, tokenizer, chat template, generation
+settings and rewards:
+
+- the group signal: `group_size` completions per prompt, scored by the rewards; the reward
+  distribution and the share of groups whose rewards are all equal (GRPO / RLOO learn nothing
+  from such a group); each reward's score of the reference answer itself, flagged when a
+  sampled completion scored higher (the reward does not recognise a right answer);
+- the template round trip: each prompt rendered by the chat template and tokenized as TRL does
+  equals the rendered text tokenized again; the assistant's end-of-turn token is a stop token
+  of generation; the completion tokens alone carry loss (shown like `prepare --show`);
+- train / rollout agreement: the log-probabilities of the sampled tokens as generation computed
+  them against the trainer's forward over the same tokens (temperature applied, as TRL does),
+  per completion position.
+
+Generation is transformers' `generate` with TRL's settings (do_sample, temperature, top_p,
+top_k, min_p, repetition_penalty, the tokenizer's EOS as stop). A check fails (exit 1) when no
+group has a signal, the template round trip breaks, the end of turn does not stop generation,
+or the log-probabilities disagree by more than LOGPROB_TOLERANCE.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase, set_seed
+
+from lmforge.config.schema import LmforgeConfig
+from lmforge.config.stages import stage_spec
+from lmforge.errors import UserInputError
+from lmforge.run_layout import RunPaths
+from lmforge.train.rewards import REFERENCE_COLUMN, RewardFailed
+from lmforge.train.rl_stage import build_rl_rewards
+
+LOGPROB_TOLERANCE = 1e-3  # nats; transformers' generate and a forward agree to ~1e-5 in fp32
+ZERO_STD = 1e-8  # a group whose rewards spread less than this has no signal
+
+
+@dataclass
+class Check:
+    """One check's verdict: passed, failed (exit 1) or a warning, a line saying why, its figures."""
+
+    name: str
+    status: str  # "pass" | "fail" | "warn"
+    summary: str
+    figures: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RlCheckReport:
+    checks: list[Check]
+    seconds: float
+    example: dict[str, Any]  # one prompt + completion with the tokens that carry loss
+
+    @property
+    def failed(self) -> bool:
+        return any(check.status == "fail" for check in self.checks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "passed": not self.failed,
+            "seconds": round(self.seconds, 2),
+            "checks": [asdict(check) for check in self.checks],
+            "example": self.example,
+        }
+
+
+def run_rl_check(cfg: LmforgeConfig, *, prompts: int = 8) -> RlCheckReport:
+    """Every check on the first `prompts` prompts of the run's training data."""
+    if not stage_spec(cfg.train.stage).online_rl:
+        raise UserInputError(
+            f"train.stage: rl check is for online RL (grpo, rloo); this config's stage is {cfg.train.stage}"
+        )
+    started = time.perf_counter()
+    from lmforge.data.run_data import prepare_data_for_run
+    from lmforge.models.build import build_model
+
+    set_seed(cfg.run.seed)
+    with tempfile.TemporaryDirectory(prefix="lmforge-rl-check-") as scratch:
+        tokenizer, data = prepare_data_for_run(
+            cfg, RunPaths(Path(scratch)), write_report=False, for_training=False
+        )
+        model = build_model(cfg.model, tokenizer, max_length=cfg.data.max_length)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device).eval()  # type: ignore[arg-type]
+    rows = [data.train[i] for i in range(min(prompts, len(data.train)))]  # type: ignore[arg-type]
+    stops = stop_ids(model, tokenizer)
+    checks = [template_round_trip(tokenizer, rows), stop_tokens(tokenizer, stops)]
+    groups = sample_groups(model, tokenizer, rows, cfg)
+    checks.append(agreement(model, groups, cfg.train.rl.temperature))
+    checks += reward_checks(cfg, data.train, tokenizer, rows, groups)
+    return RlCheckReport(checks, time.perf_counter() - started, loss_example(tokenizer, groups))
+
+
+def _prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: Any) -> list[int]:
+    """The prompt's ids as TRL's GRPOTrainer makes them (the chat template, generation prompt on)."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    rendered: Any = tokenizer.apply_chat_template(
+        prompt, add_generation_prompt=True, tokenize=True, return_dict=True
+    )
+    return list(rendered["input_ids"])
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: Any, *, generation_prompt: bool) -> str:
+    return str(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+    )
+
+
+def template_round_trip(tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]]) -> Check:
+    """Each prompt's ids equal its rendered text tokenized again (no special token split or merged
+    at the seams), and the text ends with the template's generation prompt."""
+    broken = []
+    for number, row in enumerate(rows):
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            continue
+        text = _render(tokenizer, prompt, generation_prompt=True)
+        bare = _render(tokenizer, prompt, generation_prompt=False)
+        again = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if _prompt_ids(tokenizer, prompt) != list(again) or not text.startswith(bare) or text == bare:
+            broken.append(number)
+    if broken:
+        return Check(
+            "template",
+            "fail",
+            f"prompts {broken} do not survive render -> tokenize -> render: the chat template and the tokenizer "
+            "disagree (a special token split, or no generation prompt); fix tokenizer.chat_template",
+            {"broken_prompts": broken},
+        )
+    return Check("template", "pass", f"{len(rows)} prompts render and re-tokenize identically", {})
+
+
+def stop_tokens(tokenizer: PreTrainedTokenizerBase, stops: list[int]) -> Check:
+    """The token the template closes an assistant turn with must stop generation (TRL stops at the
+    tokenizer's EOS and the model's generation-config EOS ids): otherwise every completion runs to
+    max_completion_length."""
+    probe = "The answer is 42."
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": probe}]
+    text = _render(tokenizer, messages, generation_prompt=False)
+    after = text[text.rindex(probe) + len(probe) :]
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+    end = next((i for i in ids if i in tokenizer.all_special_ids), None)
+    figures = {
+        "end_of_turn": tokenizer.convert_ids_to_tokens(end) if end is not None else None,
+        "stops": tokenizer.convert_ids_to_tokens(stops),
+    }
+    if end is None:
+        return Check("stop", "warn", "the template closes an assistant turn with no special token", figures)
+    if end not in stops:
+        return Check(
+            "stop",
+            "fail",
+            f"the template ends an assistant turn with {figures['end_of_turn']!r} but generation stops only at "
+            f"{figures['stops']}: completions will not end; add it to the model's generation_config.eos_token_id "
+            "(or make it the tokenizer's eos_token)",
+            figures,
+        )
+    return Check(
+        "stop", "pass", f"the end of an assistant turn ({figures['end_of_turn']!r}) stops generation", figures
+    )
+
+
+def stop_ids(model: Any, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The ids generation stops at, as TRL's GRPOTrainer collects them: the model's generation
+    config's EOS ids, with the tokenizer's EOS first when missing."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    return ids if tokenizer.eos_token_id in ids else [tokenizer.eos_token_id, *ids]
+
+
+@dataclass
+class Group:
+    """One prompt's sampled completions: ids, the generation's log-probabilities, decoded text."""
+
+    row: dict[str, Any]
+    prompt_ids: list[int]
+    completions: list[list[int]]  # up to and including EOS
+    logprobs: list[list[float]]  # of each completion token, as generation computed them
+    texts: list[str]
+
+
+@torch.no_grad()
+def sample_groups(
+    model: Any, tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]], cfg: LmforgeConfig
+) -> list[Group]:
+    """`group_size` completions per prompt with the run's generation settings (TRL's)."""
+    rl = cfg.train.rl
+    device = next(model.parameters()).device
+    settings = {
+        "do_sample": True,
+        "max_new_tokens": rl.max_completion_length,
+        "temperature": rl.temperature,
+        "top_p": rl.top_p,
+        "top_k": rl.top_k,
+        "min_p": rl.min_p,
+        "repetition_penalty": rl.repetition_penalty,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": stop_ids(model, tokenizer),
+    }
+    stops = set(settings["eos_token_id"])
+    groups = []
+    for row in rows:
+        prompt_ids = _prompt_ids(tokenizer, row["prompt"])
+        inputs = torch.tensor([prompt_ids] * rl.group_size, device=device)
+        out = model.generate(
+            input_ids=inputs,
+            attention_mask=torch.ones_like(inputs),
+            output_logits=True,
+            return_dict_in_generate=True,
+            **settings,
+        )
+        new = out.sequences[:, len(prompt_ids) :]
+        # The raw logits at temperature: the distribution the trainer's forward computes (TRL
+        # divides its logits by the temperature too); top-k / top-p only cut where it samples.
+        logps = torch.stack(out.logits, dim=1).float().div(rl.temperature).log_softmax(-1)
+        picked = logps.gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        completions, logprobs = [], []
+        for ids, lps in zip(new.tolist(), picked.tolist(), strict=True):
+            length = next((i + 1 for i, token in enumerate(ids) if token in stops), len(ids))
+            completions.append(ids[:length])
+            logprobs.append(lps[:length])
+        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+        groups.append(Group(row, prompt_ids, completions, logprobs, texts))
+    return groups
+
+
+@torch.no_grad()
+def agreement(model: Any, groups: list[Group], temperature: float) -> Check:
+    """Generation's log-probabilities of the sampled tokens against one forward over prompt +
+    completion (what the trainer computes): max and mean absolute difference, and the largest
+    difference at each completion position."""
+    device = next(model.parameters()).device
+    by_position: dict[int, float] = {}
+    differences: list[float] = []
+    for group in groups:
+        for ids, generated in zip(group.completions, group.logprobs, strict=True):
+            if not ids:
+                continue
+            sequence = torch.tensor([group.prompt_ids + ids], device=device)
+            logits = model(input_ids=sequence).logits[0, len(group.prompt_ids) - 1 : -1]
+            forward = (
+                logits.float()
+                .div(temperature)
+                .log_softmax(-1)
+                .gather(-1, sequence[0, len(group.prompt_ids) :, None])
+            )
+            for position, (a, b) in enumerate(zip(forward.squeeze(-1).tolist(), generated, strict=True)):
+                gap = abs(a - b)
+                differences.append(gap)
+                by_position[position] = max(by_position.get(position, 0.0), gap)
+    figures: dict[str, Any] = {
+        "engine": "transformers",
+        "tokens": len(differences),
+        "max_abs_diff": max(differences, default=0.0),
+        "mean_abs_diff": statistics.fmean(differences) if differences else 0.0,
+        "max_abs_diff_by_position": [round(by_position[p], 8) for p in sorted(by_position)],
+    }
+    line = (
+        f"generation vs trainer log-probs over {figures['tokens']} tokens: max |diff| {figures['max_abs_diff']:.2e}, "
+        f"mean {figures['mean_abs_diff']:.2e} (transformers generation: zero up to float rounding)"
+    )
+    if figures["max_abs_diff"] > LOGPROB_TOLERANCE:
+        return Check("agreement", "fail", line + f"; over the tolerance {LOGPROB_TOLERANCE:g}", figures)
+    return Check("agreement", "pass", line, figures)
+
+
+def reward_checks(
+    cfg: LmforgeConfig,
+    dataset: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict[str, Any]],
+    groups: list[Group],
+) -> list[Check]:
+    """The group signal and each reward's score of the reference answers."""
+    try:
+        rewards = build_rl_rewards(cfg.train, dataset, tokenizer)
+    except UserInputError:
+        raise
+    group_size = cfg.train.rl.group_size
+    names = [function.__name__ for function in rewards.functions]
+    totals: list[list[float]] = []
+    best: dict[str, float] = {}
+    scores: list[list[float]]
+    try:
+        for group in groups:
+            scores = [_score(f, group, group.completions, group.texts, group_size) for f in rewards.functions]
+            for name, values in zip(names, scores, strict=True):
+                best[name] = max([best.get(name, float("-inf")), *values])
+            totals.append(
+                [
+                    sum(w * s[i] for w, s in zip(rewards.weights, scores, strict=True))
+                    for i in range(len(group.texts))
+                ]
+            )
+        reference = _reference_scores(rewards, names, groups, tokenizer)
+    except RewardFailed as failure:
+        return [Check("rewards", "fail", str(failure), {})]
+    return [_group_signal(totals, cfg), _reference_check(reference, best)]
+
+
+def _score(
+    function: Any, group: Group, ids: list[list[int]], texts: list[str], group_size: int
+) -> list[float]:
+    """TRL's call of a reward function on one group's completions."""
+    count = len(texts)
+    prompt = group.row["prompt"]
+    conversational = not isinstance(prompt, str)
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+    extra = {k: [v] * count for k, v in group.row.items() if k != "prompt"}
+    values = function(
+        prompts=[prompt] * count,
+        completions=completions,
+        completion_ids=ids,
+        trainer_state=None,
+        log_extra=lambda *a, **k: None,
+        log_metric=lambda *a, **k: None,
+        **extra,
+    )
+    return [float(v) if v is not None else float("nan") for v in values]
+
+
+def _reference_scores(
+    rewards: Any, names: list[str], groups: list[Group], tokenizer: PreTrainedTokenizerBase
+) -> dict[str, list[float]]:
+    """Each reward's score of each prompt's reference answer, given as the completion."""
+    scores: dict[str, list[float]] = {name: [] for name in names}
+    for group in groups:
+        answer = group.row.get(REFERENCE_COLUMN)
+        if answer is None:
+            continue
+        ids = [tokenizer(str(answer), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
+        for name, function in zip(names, rewards.functions, strict=True):
+            scores[name] += _score(function, group, ids, [str(answer)], 1)
+    return scores
+
+
+def _group_signal(totals: list[list[float]], cfg: LmforgeConfig) -> Check:
+    flat = [value for group in totals for value in group]
+    flat_groups = [i for i, group in enumerate(totals) if max(group) - min(group) < ZERO_STD]
+    share = len(flat_groups) / max(len(totals), 1)
+    counts: dict[str, int] = {}
+    for value in flat:
+        counts[f"{value:g}"] = counts.get(f"{value:g}", 0) + 1
+    figures = {
+        "prompts": len(totals),
+        "group_size": cfg.train.rl.group_size,
+        "reward_mean": statistics.fmean(flat) if flat else 0.0,
+        "reward_min": min(flat, default=0.0),
+        "reward_max": max(flat, default=0.0),
+        "reward_counts": dict(sorted(counts.items(), key=lambda kv: float(kv[0]))),
+        "zero_variance_groups": share,
+    }
+    line = (
+        f"{len(totals)} prompts x {cfg.train.rl.group_size} completions: mean reward {figures['reward_mean']:.3g} "
+        f"(min {figures['reward_min']:g}, max {figures['reward_max']:g}); {share:.0%} of the groups have zero "
+        "reward variance"
+    )
+    if totals and share == 1.0:
+        return Check(
+            "group_signal",
+            "fail",
+            line
+            + ": no group can teach anything (every advantage is 0). Levers: a higher train.rl.temperature, "
+            "a larger train.rl.group_size, a denser reward (partial credit, a format reward), or more SFT first "
+            "so that some completions succeed",
+            figures,
+        )
+    status = "warn" if share > 0.5 else "pass"
+    return Check("group_signal", status, line, figures)
+
+
+def _reference_check(reference: dict[str, list[float]], best: dict[str, float]) -> Check:
+    figures = {
+        name: {
+            "reference_mean": statistics.fmean(values),
+            "reference_min": min(values),
+            "best_sampled": best[name],
+        }
+        for name, values in reference.items()
+        if values
+    }
+    below = [name for name, f in figures.items() if f["reference_min"] < f["best_sampled"]]
+    if not figures:
+        return Check("reference", "warn", "the data has no reference answers to score", {})
+    if below:
+        return Check(
+            "reference",
+            "warn",
+            f"reward(s) {below} give some reference answer less than a sampled completion got: such a reward "
+            "may not recognise a right answer (check its pattern or its scale)",
+            figures,
+        )
+    return Check("reference", "pass", "every reward gives the reference answers its top score", figures)
+
+
+def loss_example(tokenizer: PreTrainedTokenizerBase, groups: list[Group]) -> dict[str, Any]:
+    """One prompt and completion as (text, carries loss) runs: the completion's tokens carry the
+    policy loss, the prompt's none (single-turn rollouts)."""
+    if not groups or not groups[0].completions:
+        return {}
+    from lmforge.data.run_data import supervised_runs
+
+    group = groups[0]
+    ids = group.prompt_ids + group.completions[0]
+    labels = [-100] * len(group.prompt_ids) + group.completions[0]
+    return {
+        "runs": supervised_runs(tokenizer, ids, labels),
+        "tokens": len(ids),
+        "with_loss": len(group.completions[0]),
+    }
