@@ -301,12 +301,9 @@ def test_rl_check_passes_a_policy_that_can_learn_and_fails_one_that_cannot(
 
     base = rl_config(tmp_path, task, "check-base")
     base["model"]["path"] = str(task["base"])
-    table = run_cli("rl", "check", str(write(tmp_path, base)))
-    assert table.returncode == 1 and "group_signal" in table.stdout and "fail" in table.stdout
-    bad = {
-        c["name"]: c
-        for c in json.loads(run_cli("rl", "check", str(write(tmp_path, base)), "--json").stdout)["checks"]
-    }
+    failing = run_cli("rl", "check", str(write(tmp_path, base)), "--json")
+    assert failing.returncode == 1, failing.stderr[-2000:]
+    bad = {c["name"]: c for c in json.loads(failing.stdout)["checks"]}
     assert bad["group_signal"]["status"] == "fail"
     assert "100% of the groups have zero reward variance" in bad["group_signal"]["summary"]
     assert "Levers: a higher train.rl.temperature" in bad["group_signal"]["summary"]
@@ -324,10 +321,10 @@ def test_rl_check_passes_a_policy_that_can_learn_and_fails_one_that_cannot(
     config["train"]["rewards"] = [
         {"kind": "python", "function": f"{tmp_path / 'contrary.py'}:contrary", "run_user_code": True}
     ]
-    flagged = json.loads(run_cli("rl", "check", str(write(tmp_path, config)), "--json").stdout)
-    reference = next(c for c in flagged["checks"] if c["name"] == "reference")
-    assert reference["status"] == "warn" and "contrary" in reference["summary"]
-    assert reference["figures"]["contrary"]["reference_min"] == -1.0
+    table = run_cli("rl", "check", str(write(tmp_path, config)))  # the table a person reads
+    assert table.returncode == 0, table.stderr[-2000:]  # a warning does not fail the check
+    row = next(line for line in table.stdout.splitlines() if "reference" in line)
+    assert "warn" in row and "contrary" in table.stdout and "a rollout:" in table.stdout
 
     sft_config = rl_config(tmp_path, task, "not-rl", stage="sft")
     refused = run_cli("rl", "check", str(write(tmp_path, sft_config)))
