@@ -141,7 +141,10 @@ def test_dump_redacts_secret_env_values_in_config(tmp_path: Path, monkeypatch: p
 
 @pytest.mark.parametrize("example", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_example_validates(example: Path) -> None:
-    load_config(example)
+    """Each example loads, and so does its resolved dump (what a run writes to config.yaml and `lmforge
+    config show` prints: every default filled in), so a run's config.yaml can be run again."""
+    dumped = dump_config(load_config(example))
+    assert dump_config(load_config(None, base=dumped)) == dumped
 
 
 def test_cli_exit_code_2_and_message_for_bad_config(tmp_path: Path) -> None:

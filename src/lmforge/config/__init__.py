@@ -3,10 +3,26 @@
 from lmforge.config.load import load_config
 from lmforge.config.redact import redact
 from lmforge.config.schema import LmforgeConfig
+from lmforge.config.stages import stage_guardrails
 
 __all__ = ["LmforgeConfig", "load_config", "redact", "dump_config"]
 
 
 def dump_config(cfg: LmforgeConfig) -> dict:
-    """The resolved config as plain data with secrets redacted (for config.yaml and `config show`)."""
-    return redact(cfg.model_dump(mode="json"))
+    """The resolved config as plain data with secrets redacted (for config.yaml and `config show`),
+    written so that it loads again and runs the same (a run's config.yaml can be run again)."""
+    data = cfg.model_dump(mode="json")
+    _as_it_runs(cfg, data)
+    return redact(data)
+
+
+def _as_it_runs(cfg: LmforgeConfig, data: dict) -> None:
+    """Settings whose mere presence the config's rules read, written as the run used them: the
+    loss-spike rule of a stage it does not judge (online RL) is off; RLOO leaves GRPO's loss
+    variant out, and its reward scaling unless it was given (TRL's own default applies then)."""
+    if "spike" not in stage_guardrails(cfg.train.stage):
+        data["monitor"]["guard"]["spike"] = "off"
+    if cfg.train.stage == "rloo":
+        data["train"]["rl"].pop("loss")
+        if "scale_rewards" not in cfg.train.rl.model_fields_set:
+            data["train"]["rl"].pop("scale_rewards")
