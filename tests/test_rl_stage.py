@@ -213,6 +213,8 @@ def test_a_raising_reward_stops_the_run_with_its_message(tmp_path: Path, task: d
     result = run_cli("train", str(write(tmp_path, config)))
     assert result.returncode == 1, result.stderr
     assert "reward 'broken' failed" in result.stderr and "ValueError: no score for this" in result.stderr
+    # The check before the first update already said so, as a warning (train.rl.check_at_start).
+    assert "rl check (rewards, fail): reward 'broken' failed" in result.stderr
     assert "prompt 0" in result.stderr and "Traceback" not in result.stderr
     events = (tmp_path / "runs" / "raising" / "events" / "events.jsonl").read_text()
     assert '"kind": "failed"' in events and not (tmp_path / "runs" / "raising" / "final").exists()

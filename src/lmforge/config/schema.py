@@ -490,6 +490,11 @@ class RlConfig(Section):
     log_completions: int = Field(
         4, ge=0, description="Sample completions with their rewards kept per logged step (0: none)."
     )
+    check_at_start: bool = Field(
+        True,
+        description="Before the first update of a fresh single-process run: `lmforge rl check`'s checks on 4 "
+        "prompts with the model as it starts, each failure or doubt a warning in the log (the run goes on).",
+    )
     on_reward_error: Literal["stop", "zero", "skip_group"] = Field(
         "stop",
         description="A reward that raises or gives no finite number for a completion: stop the run before the "

@@ -23,6 +23,7 @@ or the log-probabilities disagree by more than LOGPROB_TOLERANCE (of the model's
 
 from __future__ import annotations
 
+import logging
 import statistics
 import tempfile
 import time
@@ -45,6 +46,9 @@ from lmforge.train.rl_stage import build_rl_rewards
 LOGPROB_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3}
 LOGPROB_TOLERANCE_16_BIT = 0.1
 ZERO_STD = 1e-8  # a group whose rewards spread less than this has no signal
+START_PROMPTS = 4  # prompts checked at the start of a run (train.rl.check_at_start)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,12 +99,44 @@ def run_rl_check(cfg: LmforgeConfig, *, prompts: int = 8) -> RlCheckReport:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()  # type: ignore[arg-type]
     rows = [data.train[i] for i in range(min(prompts, len(data.train)))]  # type: ignore[arg-type]
+    checks, groups = _checks(cfg, model, tokenizer, data.train, rows)
+    return RlCheckReport(checks, time.perf_counter() - started, loss_example(tokenizer, groups))
+
+
+def warn_before_updates(
+    cfg: LmforgeConfig, model: Any, tokenizer: PreTrainedTokenizerBase, dataset: Any
+) -> list[Check]:
+    """The checks on the run's first START_PROMPTS prompts with the model as training starts, each
+    one that does not pass logged as a warning. The random state is restored afterwards, so the
+    run trains exactly as it would without the check."""
+    rows = [dataset[i] for i in range(min(START_PROMPTS, len(dataset)))]
+    devices = [model.device.index or 0] if model.device.type == "cuda" else []
+    was_training = model.training
+    with torch.random.fork_rng(devices=devices):
+        model.eval()
+        try:
+            checks = _checks(cfg, model, tokenizer, dataset, rows)[0]
+        finally:
+            model.train(was_training)
+    for check in checks:
+        if check.status != "pass":
+            log.warning("rl check (%s, %s): %s", check.name, check.status, check.summary)
+    return checks
+
+
+def _checks(
+    cfg: LmforgeConfig,
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    dataset: Any,
+    rows: list[dict[str, Any]],
+) -> tuple[list[Check], list[Group]]:
     stops = stop_ids(model, tokenizer)
     checks = [template_round_trip(tokenizer, rows), stop_tokens(tokenizer, stops)]
     groups = sample_groups(model, tokenizer, rows, cfg)
     checks.append(agreement(model, groups, cfg.train.rl.temperature))
-    checks += reward_checks(cfg, data.train, tokenizer, groups)
-    return RlCheckReport(checks, time.perf_counter() - started, loss_example(tokenizer, groups))
+    checks += reward_checks(cfg, dataset, tokenizer, groups)
+    return checks, groups
 
 
 def _prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: Any) -> list[int]:

@@ -196,6 +196,10 @@ def _train_run(
     )
     for callback in extra_callbacks:
         trainer.add_callback(callback)
+    if _checks_rl_at_start(cfg, plan, resume):
+        from lmforge.train.rl_check import warn_before_updates
+
+        warn_before_updates(cfg, trainer.model, tokenizer, data.train)
     rank0 = trainer.is_world_process_zero()
     changed = [*setup.changes.maths, *setup.changes.harmless]
     if rank0 and changed:  # also in history/: the settings each launch ran with
@@ -363,3 +367,16 @@ def _oom_ladder_stop(
 def _compute_dtype(plan: Plan) -> torch.dtype:
     """The dtype 4-bit layers compute in: fp16 where the run trains in fp16 (GPUs without bf16), else bf16."""
     return torch.float16 if plan.precision == "fp16" else torch.bfloat16
+
+
+def _checks_rl_at_start(cfg: LmforgeConfig, plan: Plan, resume: CheckpointStatus | None) -> bool:
+    """`lmforge rl check` before the first update (train.rl.check_at_start): online RL, a fresh start,
+    one process whose model is whole on its device (a sharded or multi-process model would need every
+    rank to generate)."""
+    return (
+        stage_spec(cfg.train.stage).online_rl
+        and cfg.train.rl.check_at_start
+        and resume is None
+        and plan.world.size == 1
+        and plan.engine not in ("deepspeed", "fsdp")
+    )
