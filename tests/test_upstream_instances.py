@@ -2,8 +2,9 @@
 tiny model, an Accelerator, an Optuna trial. upstream.coupling_problem can only read the syntax
 tree of the function that sets such an attribute (`set_in`); here the object is built and asked.
 
-Two stay on the syntax tree (listed in SYNTAX_ONLY): building them takes a TRL GRPO trainer with a
-reward and a generation config, or a PEFT LoRA over a fused-expert MoE model."""
+Some stay on the syntax tree (listed in SYNTAX_ONLY): building them takes a TRL GRPO / RLOO trainer
+with a reward and a generation config (every RL run of tests/test_rl_stage.py reads them), or a PEFT
+LoRA over a fused-expert MoE model."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ from lmforge import upstream
 
 SYNTAX_ONLY = {
     "trl.trainer.grpo_trainer:GRPOTrainer._logs",
+    *(
+        f"trl.trainer.{module}:{cls}.{name}"
+        for module, cls in (("grpo_trainer", "GRPOTrainer"), ("rloo_trainer", "RLOOTrainer"))
+        for name in ("reward_funcs", "reward_weights")
+    ),
     "peft.tuners.lora.layer:ParamWrapper.parameter_name",
 }
 

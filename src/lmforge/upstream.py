@@ -295,6 +295,13 @@ REGISTRY: tuple[Coupling, ...] = (
                  ("self", "inputs", "prompts", "completions", "completion_ids_list"))
         for module, cls in (("grpo_trainer", "GRPOTrainer"), ("rloo_trainer", "RLOOTrainer"))
     ),
+    *(
+        Coupling(f"trl.trainer.{module}:{cls}.{name}", "attribute", "train/runner.py",
+                 "the rl check before the first update scores with the trainer's own reward functions and "
+                 "weights (a reward model is not loaded twice)", set_in=f"trl.trainer.{module}:{cls}.__init__")
+        for module, cls in (("grpo_trainer", "GRPOTrainer"), ("rloo_trainer", "RLOOTrainer"))
+        for name in ("reward_funcs", "reward_weights")
+    ),
     Coupling("trl.trainer.grpo_trainer:GRPOTrainer._logs", "private_attribute", "train/rl_samples.py",
              "TRL keeps the logged prompts, completions and rewards there: lmforge sends the latest as samples",
              set_in="trl.trainer.grpo_trainer:GRPOTrainer.__init__"),

@@ -38,7 +38,7 @@ from lmforge.config.schema import LmforgeConfig
 from lmforge.config.stages import stage_spec
 from lmforge.errors import UserInputError
 from lmforge.run_layout import RunPaths
-from lmforge.train.rewards import REFERENCE_COLUMN, RewardFailed
+from lmforge.train.rewards import REFERENCE_COLUMN, RewardFailed, RewardSet
 from lmforge.train.rl_stage import build_rl_rewards
 
 # nats; transformers' generate and a forward agree to ~1e-6 in fp32. In bf16 / fp16 the cached and
@@ -99,23 +99,25 @@ def run_rl_check(cfg: LmforgeConfig, *, prompts: int = 8) -> RlCheckReport:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()  # type: ignore[arg-type]
     rows = [data.train[i] for i in range(min(prompts, len(data.train)))]  # type: ignore[arg-type]
-    checks, groups = _checks(cfg, model, tokenizer, data.train, rows)
+    rewards = build_rl_rewards(cfg.train, data.train, tokenizer)
+    checks, groups = _checks(cfg, model, tokenizer, rewards, rows)
     return RlCheckReport(checks, time.perf_counter() - started, loss_example(tokenizer, groups))
 
 
 def warn_before_updates(
-    cfg: LmforgeConfig, model: Any, tokenizer: PreTrainedTokenizerBase, dataset: Any
+    cfg: LmforgeConfig, model: Any, tokenizer: PreTrainedTokenizerBase, rewards: RewardSet, dataset: Any
 ) -> list[Check]:
-    """The checks on the run's first START_PROMPTS prompts with the model as training starts, each
-    one that does not pass logged as a warning. The random state is restored afterwards, so the
-    run trains exactly as it would without the check."""
+    """The checks on the run's first START_PROMPTS prompts with the model and reward functions as
+    training starts (the trainer's own: a reward model is not loaded twice), each one that does not
+    pass logged as a warning. The random state is restored afterwards, so the run trains exactly as
+    it would without the check."""
     rows = [dataset[i] for i in range(min(START_PROMPTS, len(dataset)))]
     devices = [model.device.index or 0] if model.device.type == "cuda" else []
     was_training = model.training
     with torch.random.fork_rng(devices=devices):
         model.eval()
         try:
-            checks = _checks(cfg, model, tokenizer, dataset, rows)[0]
+            checks = _checks(cfg, model, tokenizer, rewards, rows)[0]
         finally:
             model.train(was_training)
     for check in checks:
@@ -128,14 +130,15 @@ def _checks(
     cfg: LmforgeConfig,
     model: Any,
     tokenizer: PreTrainedTokenizerBase,
-    dataset: Any,
+    rewards: RewardSet,
     rows: list[dict[str, Any]],
 ) -> tuple[list[Check], list[Group]]:
+    """Every check on `rows`, and the sampled groups (for the loss-mask example)."""
     stops = stop_ids(model, tokenizer)
     checks = [template_round_trip(tokenizer, rows), stop_tokens(tokenizer, stops)]
     groups = sample_groups(model, tokenizer, rows, cfg)
     checks.append(agreement(model, groups, cfg.train.rl.temperature))
-    checks += reward_checks(cfg, dataset, tokenizer, groups)
+    checks += reward_checks(cfg, rewards, tokenizer, groups)
     return checks, groups
 
 
@@ -316,10 +319,9 @@ def agreement(model: Any, groups: list[Group], temperature: float) -> Check:
 
 
 def reward_checks(
-    cfg: LmforgeConfig, dataset: Any, tokenizer: PreTrainedTokenizerBase, groups: list[Group]
+    cfg: LmforgeConfig, rewards: RewardSet, tokenizer: PreTrainedTokenizerBase, groups: list[Group]
 ) -> list[Check]:
     """The group signal and each reward's score of the reference answers."""
-    rewards = build_rl_rewards(cfg.train, dataset, tokenizer)
     group_size = cfg.train.rl.group_size
     names = [function.__name__ for function in rewards.functions]
     totals: list[list[float]] = []

@@ -197,9 +197,11 @@ def _train_run(
     for callback in extra_callbacks:
         trainer.add_callback(callback)
     if _checks_rl_at_start(cfg, plan, resume):
+        from lmforge.train.rewards import RewardSet
         from lmforge.train.rl_check import warn_before_updates
 
-        warn_before_updates(cfg, trainer.model, tokenizer, data.train)
+        rewards = RewardSet(list(trainer.reward_funcs), trainer.reward_weights.tolist())  # type: ignore[attr-defined]
+        warn_before_updates(cfg, trainer.model, tokenizer, rewards, data.train)
     rank0 = trainer.is_world_process_zero()
     changed = [*setup.changes.maths, *setup.changes.harmless]
     if rank0 and changed:  # also in history/: the settings each launch ran with
