@@ -32,7 +32,7 @@ def check(
     reward), the chat template and loss-mask round trip, and generation vs trainer log-probabilities.
     Exit 1 when a check fails, so it can gate a launch.
 
-    Example: `lmforge rl check examples/grpo_math.yaml --prompts 16 --json`
+    Example: `lmforge rl check examples/grpo_rule_reward.yaml --prompts 16 --json`
     """
     apply_verbosity(verbose)
     from rich.table import Table
