@@ -254,12 +254,15 @@ def test_tokenizer_train_cli_writes_hf_tokenizer(tmp_path: Path) -> None:
 
 
 def test_quickstart_runs_offline_and_says_where_everything_is(tmp_path: Path) -> None:
-    """What `make demo` runs, shortened: same stages, fewer steps."""
-    result = run_cli("quickstart", "--out", str(tmp_path / "qs"), "--steps", "20", "--rl-steps", "10")
+    """What `make demo` runs, shortened: same stages, fewer steps. 100 pretraining steps (of the demo's
+    300): after 20 or 40 the base is still noise (eval perplexity 4,300 -> 800), and what the LoRA
+    fine-tune reaches on it depends on the order of the pretraining blocks (0.35-0.6 held-out); after
+    100 (perplexity ~490) it reaches ~0.8."""
+    result = run_cli("quickstart", "--out", str(tmp_path / "qs"), "--steps", "100", "--rl-steps", "10")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "qs" / "quickstart.json").read_text())
     pretrain = summary["results"]["pretrain"]
-    assert pretrain["steps"] == 20
+    assert pretrain["steps"] == 100
     assert pretrain["eval_ppl_after"] < pretrain["eval_ppl_before"] / 4
     assert summary["results"]["sample"].startswith("def main():")
     assert (
@@ -335,12 +338,12 @@ def _console_is_quiet_and_train_log_is_whole(result: subprocess.CompletedProcess
     for notice in ("Setting accelerator to CPU", "tied layer is part of the adapter", "FutureWarning"):
         assert notice not in printed, notice
     assert re.search(
-        r"step +20/20  loss \d+\.\d{4}  lr [\d.]+e-\d\d  grad [\d.]+  tok/s [\d,]+  MFU ([\d.]+%|n/a \(peak uncertain\))",
+        r"step +100/100  loss \d+\.\d{4}  lr [\d.]+e-\d\d  grad [\d.]+  tok/s [\d,]+  MFU ([\d.]+%|n/a \(peak uncertain\))",
         printed,
     )
-    assert re.search(r"eval at step 20:  loss [\d.]+  ppl [\d.]+", printed)
+    assert re.search(r"eval at step 100:  loss [\d.]+  ppl [\d.]+", printed)
     pretrain_log = (out / "pretrain" / "train.log").read_text()
     finetune_log = (out / "finetune" / "train.log").read_text()
-    assert "hf_trainer.logs: step 20: {'loss'" in pretrain_log and "'eval_loss'" in pretrain_log
+    assert "hf_trainer.logs: step 100: {'loss'" in pretrain_log and "'eval_loss'" in pretrain_log
     assert "Setting accelerator to CPU" in pretrain_log
     assert "tied layer is part of the adapter" in finetune_log
