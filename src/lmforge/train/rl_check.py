@@ -27,6 +27,7 @@ import logging
 import statistics
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -326,7 +327,6 @@ def reward_checks(
     names = [function.__name__ for function in rewards.functions]
     totals: list[list[float]] = []
     best: dict[str, float] = {}
-    scores: list[list[float]]
     try:
         for group in groups:
             scores = [_score(f, group, group.completions, group.texts, group_size) for f in rewards.functions]
@@ -366,7 +366,7 @@ def _score(
 
 
 def _reference_scores(
-    rewards: Any, names: list[str], groups: list[Group], tokenizer: PreTrainedTokenizerBase
+    rewards: RewardSet, names: list[str], groups: list[Group], tokenizer: PreTrainedTokenizerBase
 ) -> dict[str, list[float]]:
     """Each reward's score of each prompt's reference answer, given as the completion."""
     scores: dict[str, list[float]] = {name: [] for name in names}
@@ -384,9 +384,7 @@ def _group_signal(totals: list[list[float]], cfg: LmforgeConfig) -> Check:
     flat = [value for group in totals for value in group]
     flat_groups = [i for i, group in enumerate(totals) if max(group) - min(group) < ZERO_STD]
     share = len(flat_groups) / max(len(totals), 1)
-    counts: dict[str, int] = {}
-    for value in flat:
-        counts[f"{value:g}"] = counts.get(f"{value:g}", 0) + 1
+    counts = Counter(f"{value:g}" for value in flat)
     figures = {
         "prompts": len(totals),
         "group_size": cfg.train.rl.group_size,
