@@ -35,6 +35,16 @@ and at the end of each run, and every step's duration in the JSON line.
     .venv/bin/python bench/grpo_throughput.py [--steps 20 --warmup 2 --repeats 2 --group-size 4
                                                --batch 16 --completion-length 16]
     .venv/bin/python bench/grpo_throughput.py --quick    # a smoke run: 5 steps, 1 repeat, no warm-up run
+    .venv/bin/python bench/grpo_throughput.py --tools    # multi-turn: episodes that call a calculator
+
+`--tools` measures multi-turn tool-use episodes instead: the policy is the same llama-tiny shape
+(with a 512-token BPE of llama3-rendered conversations) given 300 SFT steps on conversations that
+call the calculator half the time (`lmforge.data.synthetic.calculator_sft_rows`, as
+tests/test_rl_tools.py): it writes tool calls in about half its episodes (not always the right
+expression: what is measured is the step, not the answers), trained on calculator questions; lmforge with `train.rl.tools: {functions:
+[calculator], max_turns: 2}`, TRL with `tools=[calculator]`, `max_tool_calling_iterations=2` and the
+tokenizer's `response_template` set to TRL's llama3 template (what lmforge sets). Completion tokens
+then count the model's own tokens (TRL's mean_length counts tool_mask = 1 only).
 
 Use `--threads 1` when another job holds a core: two torch threads then run steps up to 30x slower
 and at random (seen: 0.45 s steps taking 5-16 s).
@@ -110,8 +120,8 @@ class StepClock(TrainerCallback):
 
 
 def exact(completions: list[Any], answer: list[str], **kwargs: Any) -> list[float]:
-    """1.0 when the stripped completion equals the reference answer ignoring case, else 0.0."""
-    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    """1.0 when the stripped completion (its last turn) equals the reference answer ignoring case."""
+    texts = [c if isinstance(c, str) else c[-1].get("content") or "" for c in completions]
     return [
         float(t.strip().casefold() == str(a).strip().casefold()) for t, a in zip(texts, answer, strict=True)
     ]
@@ -142,6 +152,52 @@ def build_inputs(out: Path, vocab_size: int, max_length: int) -> tuple[Path, Pat
     return model_dir, data, rows
 
 
+def build_tool_inputs(out: Path) -> tuple[Path, Path, list[dict[str, str]]]:
+    """A llama-tiny SFT'd to call the calculator about half the time, and calculator question rows."""
+    from transformers import set_seed
+
+    from lmforge.config import load_config
+    from lmforge.config.schema import ModelConfig
+    from lmforge.data.synthetic import (
+        calculator_sft_rows,
+        calculator_task_rows,
+        calculator_tokenizer,
+        write_jsonl,
+    )
+    from lmforge.models.build import build_model
+    from lmforge.train.runner import run_training
+
+    sft_rows = calculator_sft_rows(2000, tool_share=0.5, seed=3)
+    write_jsonl(out / "sft.jsonl", sft_rows)
+    rows = calculator_task_rows(400, seed=4)
+    data = write_jsonl(out / "questions.jsonl", rows)
+    tokenizer = calculator_tokenizer(sft_rows)
+    set_seed(0)
+    build_model(ModelConfig(preset="llama-tiny"), tokenizer, max_length=128).save_pretrained(out / "base")
+    tokenizer.save_pretrained(out / "base")
+    sft = run_training(
+        load_config(
+            None,
+            base={
+                "run": {"name": "sft", "output_dir": str(out), "seed": 0},
+                "model": {"path": str(out / "base")},
+                "data": {"train": [{"path": str(out / "sft.jsonl")}], "max_length": 96},
+                "train": {
+                    "stage": "sft",
+                    "max_steps": 300,
+                    "micro_batch_size": 16,
+                    "lr": 1e-3,
+                    "schedule": "cosine",
+                    "warmup_steps": 10,
+                    "precision": "fp32",
+                    "log_every": 500,
+                },
+            },
+        )
+    )
+    return sft.final_dir, data, rows
+
+
 def run_lmforge(
     opts: argparse.Namespace, model_dir: Path, data: Path, out: Path, name: str, steps: int
 ) -> tuple[StepClock, float]:
@@ -168,6 +224,7 @@ def run_lmforge(
                     "beta": 0.0,
                     "loss": "dapo",
                     "generation": "transformers",
+                    **({"tools": {"functions": ["calculator"], "max_turns": 2}} if opts.tools else {}),
                 },
                 "max_steps": steps,
                 "micro_batch_size": opts.batch,
@@ -242,17 +299,28 @@ def run_trl(
         importance_sampling_level="token",
         scale_rewards="group",
         model_init_kwargs={"dtype": "auto"},  # as lmforge: ignored (the model is passed built)
+        **({"max_tool_calling_iterations": 2} if opts.tools else {}),
     )
     clock = StepClock()
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tools: dict[str, Any] = {}
+    if opts.tools:
+        from trl.chat_template_utils import llama3_template
+
+        from lmforge.train.tools import calculator
+
+        tokenizer.response_template = llama3_template  # TRL does not know the template's text
+        tools = {"tools": [calculator]}
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[exact],
         args=args,
         train_dataset=dataset,
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        processing_class=tokenizer,
         callbacks=[clock],
+        **tools,
     )
     trainer.remove_callback(PrinterCallback)  # HF's print of raw log dicts; lmforge removes it too
     trainer.train()
@@ -291,6 +359,7 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 5 steps, 1 repeat, no warm-up run")
+    parser.add_argument("--tools", action="store_true", help="multi-turn episodes with the calculator tool")
     opts = parser.parse_args()
     if opts.quick:
         opts.steps, opts.warmup, opts.warmup_steps, opts.repeats = 5, 2, 0, 1
@@ -306,7 +375,10 @@ def main() -> None:
     print(f"load average before: {load_average()} on {os.cpu_count()} cores", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        model_dir, data, rows = build_inputs(out, opts.vocab_size, opts.max_length)
+        if opts.tools:
+            model_dir, data, rows = build_tool_inputs(out)
+        else:
+            model_dir, data, rows = build_inputs(out, opts.vocab_size, opts.max_length)
 
         def run(side: str, name: str, steps: int) -> tuple[StepClock, float]:
             if side == "lmforge":
@@ -372,6 +444,7 @@ def main() -> None:
     print(f"resolved arguments that differ (lmforge, TRL), of {compared} compared: {differences or 'none'}")
     record = {
         "bench": "grpo_throughput",
+        "tools": opts.tools,
         "device": device,
         "threads": torch.get_num_threads(),
         "precision": opts.precision,

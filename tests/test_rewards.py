@@ -288,7 +288,7 @@ def test_a_missing_module_or_function_is_a_user_error(user_file: Path) -> None:
         only(kind="python", function="no_such_rewards:score", run_user_code=True)
     with pytest.raises(UserInputError, match=r"train.rewards\[0\].function: no file"):
         only(kind="python", function=f"{user_file.parent}/absent.py:score", run_user_code=True)
-    with pytest.raises(UserInputError, match=r"has no function 'absent'"):
+    with pytest.raises(UserInputError, match=r"has no 'absent'"):
         user(user_file, "absent")
 
 

@@ -168,6 +168,18 @@ def test_each_loss_variant_trains(tmp_path: Path, task: dict[str, Path], loss: s
         assert (settings["num_iterations"], settings["steps_per_generation"], settings["top_k"]) == (1, 1, 0)
 
 
+def test_an_out_of_memory_in_an_rl_step_stops_with_what_to_do(tmp_path: Path, task: dict[str, Path]) -> None:
+    """Online RL's micro-batches are prompt rows (a list): an out-of-memory there stops the run with
+    the advice, as in every stage, not with an error about the rows (found by review: the back-off
+    asked a list for its tensors)."""
+    config = rl_config(tmp_path, task, "oom")
+    config["debug"] = {"faults": [{"kind": "oom", "step": 2}]}
+    config["monitor"] = {"guard": {"oom_ladder": []}}
+    result = run_cli("train", str(write(tmp_path, config)))
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "error: out of memory at step 2" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_rloo_scores_with_a_reward_model_and_a_user_function(tmp_path: Path, task: dict[str, Path]) -> None:
     """RLOO with two rewards at once: a sequence-classification model directory (as train.stage rm
     leaves it) and the user's own function, each under its own name in the metrics. The function

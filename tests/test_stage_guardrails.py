@@ -25,11 +25,13 @@ GRPO_LOSSES = [
 
 
 def test_every_stage_declares_its_guardrails() -> None:
-    """Every train.stage has an entry; the loss-spike rule judges the language-model and preference
-    losses, never online RL's; every stage keeps the non-finite check; RL keeps the RL guard."""
+    """Every train.stage has an entry; the loss-spike rule judges the language-model, preference
+    and distillation losses, never online RL's; every stage keeps the non-finite check; RL keeps the
+    RL guard."""
     stages = set(get_args(TrainConfig.model_fields["stage"].annotation))
     assert set(STAGE_GUARDRAILS) == stages
-    assert {s for s in stages if "spike" in STAGE_GUARDRAILS[s]} == {"pretrain", "sft", "dpo", "kto", "rm"}
+    spike_judged = {"pretrain", "sft", "dpo", "kto", "rm", "distill"}
+    assert {s for s in stages if "spike" in STAGE_GUARDRAILS[s]} == spike_judged
     assert all("nonfinite" in rules for rules in STAGE_GUARDRAILS.values())
     assert {s for s in stages if "rl" in STAGE_GUARDRAILS[s]} == {"grpo", "rloo"}
 

@@ -12,7 +12,13 @@ from transformers import Trainer, TrainingArguments
 
 from lmforge.config import LmforgeConfig
 from lmforge.config.schema import DpoConfig, TrainConfig
-from lmforge.config.stages import RL_METRIC_PREFIXES, RM_METRIC_PREFIXES, STAGE_SPECS, stage_spec
+from lmforge.config.stages import (
+    DISTILL_METRIC_PREFIXES,
+    RL_METRIC_PREFIXES,
+    RM_METRIC_PREFIXES,
+    STAGE_SPECS,
+    stage_spec,
+)
 from lmforge.train.rewards import RewardSet
 from lmforge.train.stages.binding import resolve_class
 from lmforge.train.stages.online_rl import online_rl_stage
@@ -51,19 +57,31 @@ def test_a_spec_names_a_trainer_and_its_arguments_class(stage: str) -> None:
 def test_the_spec_table_agrees_with_what_each_stage_is() -> None:
     """Online RL never gets the loss-spike rule and always the RL guard and its metrics; only the
     language-model stages have a token-level next-token loss; only rm has a score head (and its
-    pairwise metrics)."""
+    pairwise metrics); the on-policy stages (online RL, distillation) read prompts, and only
+    distillation loads a teacher (and logs TRL's distillation metrics)."""
     for spec in STAGE_SPECS.values():
         assert "nonfinite" in spec.guardrails
         assert ("spike" in spec.guardrails) is not spec.online_rl
         assert ("rl" in spec.guardrails) is spec.online_rl
-        own = RL_METRIC_PREFIXES if spec.online_rl else RM_METRIC_PREFIXES if spec.head == "score" else ()
+        own = (
+            RL_METRIC_PREFIXES
+            if spec.online_rl
+            else RM_METRIC_PREFIXES
+            if spec.head == "score"
+            else DISTILL_METRIC_PREFIXES
+            if spec.teacher
+            else ()
+        )
         assert spec.metric_prefixes == own
         assert spec.language_model_loss is (spec.data_kind in ("text", "chat"))
-        assert spec.online_rl is (spec.data_kind == "prompts") is (spec.reference == "on_disk")
+        assert spec.online_rl is (spec.reference == "on_disk")
+        assert spec.on_policy is (spec.data_kind == "prompts") is (spec.online_rl or spec.teacher)
+        assert not (spec.teacher and (spec.online_rl or spec.reference != "none"))
         assert not (spec.eval_generations and spec.online_rl)
     assert [s.name for s in STAGE_SPECS.values() if s.head == "score"] == ["rm"]
     assert [s.name for s in STAGE_SPECS.values() if s.language_model_loss] == ["pretrain", "sft"]
     assert [s.name for s in STAGE_SPECS.values() if s.reference == "in_memory"] == ["dpo", "kto"]
+    assert [s.name for s in STAGE_SPECS.values() if s.teacher] == ["distill"]
 
 
 def test_every_preference_stage_is_bound_to_its_spec_trainer() -> None:
@@ -86,7 +104,7 @@ def test_dpo_losses_bind_a_trl_trainer(loss: str) -> None:
 @pytest.mark.parametrize("stage", [s.name for s in STAGE_SPECS.values() if s.online_rl])
 def test_online_rl_stages_bind_their_spec_trainer(stage: str) -> None:
     rewards = RewardSet(functions=[], weights=[])
-    bound = online_rl_stage(config(stage).train, rewards, use_vllm=False)
+    bound = online_rl_stage(config(stage).train, rewards, None, use_vllm=False)  # type: ignore[arg-type]
     assert bound.trainer is resolve_class(stage_spec(stage).trainer)
     assert bound.config is resolve_class(stage_spec(stage).arguments)
     assert bound.values["num_generations"] == config(stage).train.rl.group_size

@@ -302,6 +302,27 @@ REGISTRY: tuple[Coupling, ...] = (
         for module, cls in (("grpo_trainer", "GRPOTrainer"), ("rloo_trainer", "RLOOTrainer"))
         for name in ("reward_funcs", "reward_weights")
     ),
+    Coupling("trl.trainer.distillation_trainer:DistillationTrainer._prepare_inputs", "override", _STEP,
+             "on-policy distillation generates the student's completions here, as online RL does: the adapter's "
+             "_prepare_inputs counts their tokens once from the prompt and completion masks it returns (TRL's "
+             "own addition to num_input_tokens_seen is undone)",
+             ("self", "generation_batch")),
+    Coupling(f"{_TOKENIZER}.response_template", "attribute", "train/tools.py",
+             "tool rollouts: the parser of the model's tool calls (TRL's template for the catalogue's tool "
+             "templates), which TRL's GRPOTrainer reads through tokenizer.parse_response",
+             set_in=f"{_TOKENIZER}.__init__"),
+    Coupling("trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions", "private_call",
+             "train/rl_check.py",
+             "rl check rolls out its tool-use episodes with the trainer's own generation, tool loop and tool_mask "
+             "(what a training step does first), to compare the mask with the chat template's",
+             ("self", "inputs")),
+    *(
+        Coupling(f"trl.trainer.grpo_trainer:GRPOTrainer.{name}", "private_attribute", "train/rl_check.py",
+                 "rl check reads the episodes from the trainer's logs and puts its logs and metrics back as they "
+                 "were, so a check before the first update leaves no trace in the run's metrics",
+                 set_in="trl.trainer.grpo_trainer:GRPOTrainer.__init__")
+        for name in ("_logs", "_metrics")
+    ),
     Coupling("trl.trainer.grpo_trainer:GRPOTrainer._logs", "private_attribute", "train/rl_samples.py",
              "TRL keeps the logged prompts, completions and rewards there: lmforge sends the latest as samples",
              set_in="trl.trainer.grpo_trainer:GRPOTrainer.__init__"),

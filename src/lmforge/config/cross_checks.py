@@ -158,18 +158,32 @@ RULES: list[Rule] = [
         "preference stages batch chosen and rejected answers side by side; packing applies to pretrain and sft",
     ),
     (
-        lambda c: stage_spec(c.train.stage).online_rl and (c.data.packing or c.data.padding_free),
+        lambda c: stage_spec(c.train.stage).on_policy and (c.data.packing or c.data.padding_free),
         "data.packing",
-        "online RL generates its completions at run time; packing applies to pretrain and sft",
+        "online RL and distillation generate their completions at run time; packing applies to pretrain "
+        "and sft",
     ),
     (
         lambda c: (
-            stage_spec(c.train.stage).online_rl
+            stage_spec(c.train.stage).on_policy
             and any(s.format == "kto" for s in [*c.data.train, *c.data.eval])
         ),
         "data.train",
-        "train.stage grpo / rloo reads prompts with a reference answer (alpaca, sharegpt, messages, "
-        "{question, answer} rows, or preference pairs, whose chosen answer is the reference); not kto rows",
+        "train.stage grpo / rloo / distill reads prompts (with a reference answer for grpo / rloo): alpaca, "
+        "sharegpt, messages, {question, answer} rows, or preference pairs, whose chosen answer is the "
+        "reference; not kto rows",
+    ),
+    (
+        lambda c: stage_spec(c.train.stage).teacher and c.train.distill.teacher is None,
+        "train.distill.teacher",
+        "on-policy distillation needs a teacher: set train.distill.teacher to the teacher model's directory "
+        "(an HF causal LM with the student's tokenizer)",
+    ),
+    (
+        lambda c: not stage_spec(c.train.stage).teacher and c.train.distill.teacher is not None,
+        "train.distill.teacher",
+        "a teacher is the model train.stage distill learns from; set train.stage: distill, or remove "
+        "train.distill",
     ),
     (
         lambda c: (
@@ -195,6 +209,12 @@ RULES: list[Rule] = [
         lambda c: c.train.stage == "rloo" and "loss" in c.train.rl.model_fields_set,
         "train.rl.loss",
         "train.rl.loss selects GRPO's loss variants; RLOO has its own estimator: leave train.rl.loss unset",
+    ),
+    (
+        lambda c: c.train.rl.tools is not None and not stage_spec(c.train.stage).tool_rollouts,
+        "train.rl.tools",
+        "tool-use rollouts run on TRL's GRPOTrainer, which runs the episode's tool calls (train.stage grpo); "
+        "TRL's other trainers have no tool loop. Fix: set train.stage: grpo, or remove train.rl.tools",
     ),
     (
         lambda c: not stage_spec(c.train.stage).online_rl and bool(c.train.rewards),
@@ -393,10 +413,10 @@ RULES: list[Rule] = [
         "train.compile -- each alone gave about 1.4x the plain bf16 step there (bench/RESULTS.md)",
     ),
     (
-        lambda c: c.train.compile and stage_spec(c.train.stage).online_rl,
+        lambda c: c.train.compile and stage_spec(c.train.stage).on_policy,
         "train.compile",
-        "online RL alternates generation and training with changing shapes, which recompiles the model "
-        "every step; remove train.compile",
+        "online RL and distillation alternate generation and training with changing shapes, which "
+        "recompiles the model every step; remove train.compile",
     ),
     (
         lambda c: c.train.chunked_cross_entropy and c.train.compile,

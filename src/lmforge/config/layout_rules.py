@@ -142,16 +142,23 @@ def _interleaved_message(c: LmforgeConfig) -> str:
     )
 
 
+def _second_model_in_memory(c: LmforgeConfig) -> bool:
+    """The stage's loss runs a second, frozen model beside the trained one: a copy of the starting
+    model (DPO, KTO), or the distillation teacher. TRL prepares it with accelerate, outside the mesh."""
+    spec = stage_spec(c.train.stage)
+    return spec.reference == "in_memory" or spec.teacher
+
+
 LAYOUT_RULES: list[LayoutRule] = [
     *(_engine_rule(key) for key in _MESH),
     # tensor parallelism
     (
-        lambda c: c.distributed.tensor_parallel > 1 and stage_spec(c.train.stage).reference == "in_memory",
+        lambda c: c.distributed.tensor_parallel > 1 and _second_model_in_memory(c),
         "train.stage",
         lambda c: (
             f"{c.train.stage} with tensor_parallel: {c.distributed.tensor_parallel}: TRL prepares the "
-            "reference model with accelerate's FSDP2 path, which needs a ParallelismConfig accelerate cannot take "
-            "for this mesh (measured: AttributeError 'fsdp_dim_names' in trl prepare_fsdp); set "
+            "reference (or teacher) model with accelerate's FSDP2 path, which needs a ParallelismConfig "
+            "accelerate cannot take for this mesh (measured: AttributeError 'fsdp_dim_names' in trl prepare_fsdp); set "
             "distributed.tensor_parallel: 1 (strategy fsdp alone shards this stage)"
         ),
     ),
@@ -215,15 +222,15 @@ LAYOUT_RULES: list[LayoutRule] = [
         lambda c: (
             c.distributed.expert_parallel > 1
             and (
-                stage_spec(c.train.stage).reference == "in_memory"
+                _second_model_in_memory(c)
                 or (stage_spec(c.train.stage).reference == "on_disk" and c.train.rl.beta > 0)
             )
         ),
         "train.stage",
         lambda c: (
             f"{c.train.stage} with expert_parallel: {c.distributed.expert_parallel}: the reference "
-            "model would run its own forward on some ranks only, and every expert-parallel forward is a "
-            "collective over the expert group (a hang); set distributed.expert_parallel: 1"
+            "(or teacher) model would run its own forward on some ranks only, and every expert-parallel "
+            "forward is a collective over the expert group (a hang); set distributed.expert_parallel: 1"
             + (" or train.rl.beta: 0" if stage_spec(c.train.stage).reference == "on_disk" else "")
         ),
     ),

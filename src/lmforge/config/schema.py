@@ -353,6 +353,37 @@ class KtoConfig(Section):
     undesirable_weight: float = Field(1.0, gt=0, description="Loss weight of undesirable (label false) rows.")
 
 
+class DistillConfig(Section):
+    """On-policy distillation (train.stage distill, TRL's DistillationTrainer): the student answers each
+    prompt itself, and its loss is a divergence from the teacher's next-token distribution at every
+    token of that answer. Always on-policy (GKD's lmbda = 1): the student only learns on its own samples."""
+
+    teacher: Path | None = Field(
+        None,
+        description="The teacher: a local HF causal-LM directory (config.json + safetensors weights), for "
+        "example a larger model's final/. Its tokenizer must have the student's vocabulary (checked before "
+        "training). Loaded in model.dtype, with model.trust_remote_code.",
+    )
+    beta: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="The divergence, a generalized Jensen-Shannon interpolation: 0 = forward KL(teacher || "
+        "student) (mean-seeking), 0.5 = JSD, 1 = reverse KL(student || teacher) (mode-seeking, TRL's default).",
+    )
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="Sampling temperature of the student's answers, also applied to both distributions in the "
+        "loss (1: the models' own distributions).",
+    )
+    max_new_tokens: int = Field(
+        128,
+        ge=1,
+        description="Tokens the student generates per prompt at most (TRL's max_completion_length).",
+    )
+
+
 RewardKind = Literal["exact", "contains", "regex", "format", "length", "math", "model", "python"]
 
 
@@ -428,6 +459,65 @@ class RewardConfig(Section):
         return self.kind
 
 
+BUILTIN_TOOLS = ("calculator",)  # train/tools.py defines them (config/ imports no stage)
+
+
+class RlToolsConfig(Section):
+    """Multi-turn tool-use rollouts of train.stage grpo: TRL's GRPOTrainer runs the episode (the model
+    calls a tool, the result is appended, the model goes on) and masks the tool results out of the loss."""
+
+    functions: list[str] = Field(
+        default_factory=list,
+        description="The tools the model may call: a built-in (calculator: + - * / // % ** and parentheses "
+        "over numbers), or your function `module:function` / `path/file.py:function` (runs your code: needs "
+        "`run_user_code: true`). A function's name, type hints and docstring (Google style, with Args:) are "
+        "the tool's schema in the prompt.",
+    )
+    environment: str | None = Field(
+        None,
+        description="`module:Class` / `path/file.py:Class`: a fresh instance per episode (TRL's "
+        "environment_factory); `reset(**row)` starts an episode, its public methods are the tools, and "
+        "`get_reward()` (if defined) adds the episode's reward. Needs `run_user_code: true`.",
+    )
+    run_user_code: bool = Field(
+        False, description="The explicit opt-in to import and run your tool functions or environment."
+    )
+    max_turns: int = Field(
+        4,
+        ge=1,
+        description="Tool-calling turns per episode at most (TRL's max_tool_calling_iterations). The episode's "
+        "token budget is train.rl.max_completion_length: the model's tokens and the tool results together.",
+    )
+
+    @model_validator(mode="after")
+    def _what_runs(self) -> RlToolsConfig:
+        if not self.functions and self.environment is None:
+            raise ValueError(
+                "tools need `functions` (for example [calculator]) or an `environment` (`module:Class`)"
+            )
+        user_code = [f for f in self.functions if f not in BUILTIN_TOOLS]
+        for spec in user_code:
+            if ":" not in spec:
+                raise ValueError(
+                    f"function {spec!r} is neither a built-in tool ({', '.join(BUILTIN_TOOLS)}) nor "
+                    "`module:function` / `path/file.py:function`"
+                )
+        if self.environment is not None and ":" not in self.environment:
+            raise ValueError(
+                f"environment {self.environment!r} must be `module:Class` or `path/file.py:Class`"
+            )
+        if self.environment is not None:
+            user_code.append(self.environment)
+        if user_code and not self.run_user_code:
+            raise ValueError(
+                f"tools {', '.join(user_code)} run your code; set `run_user_code: true` under train.rl.tools "
+                "to allow that"
+            )
+        if len(set(self.functions)) != len(self.functions):
+            raise ValueError("a tool is listed twice in `functions`")
+        return self
+
+
 class RlConfig(Section):
     """Settings of the online-RL stages: grpo (TRL GRPOTrainer) and rloo (TRL RLOOTrainer)."""
 
@@ -486,6 +576,11 @@ class RlConfig(Section):
         "auto",
         description="Who generates: transformers generate (everywhere), or vLLM colocated on the GPU (needs "
         "the vllm extra and CUDA); auto picks vLLM when both are there.",
+    )
+    tools: RlToolsConfig | None = Field(
+        None,
+        description="Multi-turn tool use (stage grpo): the tools the model may call during an episode. The chat "
+        "template must have a tool-call format (data.chat_template qwen2, qwen3, qwen3_nothink or llama3).",
     )
     log_completions: int = Field(
         4, ge=0, description="Sample completions with their rewards kept per logged step (0: none)."
@@ -631,11 +726,13 @@ class OptimizerConfig(Section):
 
 
 class TrainConfig(Section):
-    stage: Literal["pretrain", "sft", "dpo", "kto", "rm", "grpo", "rloo"] = Field(
+    stage: Literal["pretrain", "sft", "dpo", "kto", "rm", "grpo", "rloo", "distill"] = Field(
         "pretrain",
         description="Training stage: pretrain (raw text), sft (conversations), dpo (preference pairs; "
         "loss in train.dpo), kto (labelled conversations), rm (reward model on preference pairs), grpo / "
-        "rloo (online RL: prompts, completions scored by train.rewards; settings in train.rl).",
+        "rloo (online RL: prompts, completions scored by train.rewards; settings in train.rl), distill "
+        "(on-policy distillation: conversations' prompts, the student's answers scored token by token by "
+        "train.distill.teacher).",
     )
     method: Literal["full", "freeze", "lora", "dora", "qlora"] = Field(
         "full",
@@ -646,6 +743,9 @@ class TrainConfig(Section):
     freeze: FreezeConfig = Field(default_factory=FreezeConfig, description="Settings for method=freeze.")
     dpo: DpoConfig = Field(default_factory=DpoConfig, description="Settings for stage=dpo.")
     kto: KtoConfig = Field(default_factory=KtoConfig, description="Settings for stage=kto.")
+    distill: DistillConfig = Field(
+        default_factory=DistillConfig, description="Settings for stage=distill (the teacher model)."
+    )
     rl: RlConfig = Field(default_factory=RlConfig, description="Settings for stage=grpo and stage=rloo.")
     rewards: list[RewardConfig] = Field(
         default_factory=list,

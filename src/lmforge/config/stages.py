@@ -29,7 +29,8 @@ Guardrail = Literal["nonfinite", "spike", "rl"]
 # What one training row of the stage is (data/run_data.py, data/preference.py):
 # text: raw text packed into blocks; chat: conversations; pairs: preference pairs (prompt,
 # chosen, rejected); labelled: KTO's rows (a conversation with a good/bad label, or a preference
-# pair read as one good and one bad row); prompts: a prompt with a reference answer (online RL).
+# pair read as one good and one bad row); prompts: a prompt with a reference answer (online RL;
+# on-policy distillation reads the prompt only: the conversation before its last assistant turn).
 DataKind = Literal["text", "chat", "pairs", "labelled", "prompts"]
 
 # Where the frozen copy of the starting model that the loss compares with comes from:
@@ -44,6 +45,9 @@ Reference = Literal["none", "in_memory", "on_disk"]
 # A reward model's pairwise figures as TRL's RewardTrainer logs them (train and eval_): the share of
 # pairs whose chosen answer scores above the rejected one, the mean score difference, the scores.
 RM_METRIC_PREFIXES = ("accuracy", "margin", "mean_reward", "min_reward", "max_reward")
+# On-policy distillation's own figures as TRL's DistillationTrainer logs them: the student's token entropy
+# and its completions' lengths and clipped share.
+DISTILL_METRIC_PREFIXES = ("entropy", "completions/")
 RL_METRIC_PREFIXES = (
     "reward",
     "rewards/",
@@ -52,6 +56,7 @@ RL_METRIC_PREFIXES = (
     "entropy",
     "completions/",
     "clip_ratio",
+    "tools/",  # tool-use episodes: calls per completion, the share of calls that failed
 )
 
 # The monitor.guard keys of the loss-spike rule (refused for a stage it does not apply to).
@@ -83,11 +88,23 @@ class StageSpec:
     eval_rows_answer: bool
     trainer: str  # "module:Class" of the trainer, resolved by train/stages/
     arguments: str  # "module:Class" of its TrainingArguments subclass
+    # Its trainer runs multi-turn tool-use episodes (train.rl.tools): TRL's GRPOTrainer has the tool loop.
+    tool_rollouts: bool = False
+    # Its loss compares the model with a second, frozen model loaded from train.distill.teacher (not a
+    # copy of the starting model, so `reference` stays none): on-policy distillation.
+    teacher: bool = False
 
     @property
     def offline_preference(self) -> bool:
         """Learns from preference data prepared before training (dpo, kto, rm)."""
         return self.data_kind in ("pairs", "labelled")
+
+    @property
+    def on_policy(self) -> bool:
+        """Generates its completions from prompt rows while it trains (online RL, on-policy
+        distillation): a micro-batch is rows the trainer turns into tokens, with shapes that change
+        from step to step, not a batch of token ids lmforge prepared."""
+        return self.data_kind == "prompts"
 
 
 def _language_model(name: str, data_kind: DataKind, *, eval_rows_answer: bool) -> StageSpec:
@@ -134,7 +151,7 @@ def _preference(
     )
 
 
-def _online_rl(name: str, trainer: str, arguments: str) -> StageSpec:
+def _online_rl(name: str, trainer: str, arguments: str, *, tool_rollouts: bool = False) -> StageSpec:
     return StageSpec(
         name,
         "prompts",
@@ -148,6 +165,27 @@ def _online_rl(name: str, trainer: str, arguments: str) -> StageSpec:
         eval_rows_answer=False,
         trainer=trainer,
         arguments=arguments,
+        tool_rollouts=tool_rollouts,
+    )
+
+
+def _distillation(name: str, trainer: str, arguments: str) -> StageSpec:
+    return StageSpec(
+        name,
+        "prompts",
+        language_model_loss=False,
+        online_rl=False,
+        reference="none",
+        head="causal",
+        # The loss is a divergence from the teacher on the student's own samples: positive, and it
+        # falls as the student comes closer, so a jump of many sigmas is a divergence as for sft.
+        guardrails=_LANGUAGE_MODEL_GUARDRAILS,
+        metric_prefixes=DISTILL_METRIC_PREFIXES,
+        eval_generations=True,
+        eval_rows_answer=False,  # the rows' last assistant turns are not what the student is taught
+        trainer=trainer,
+        arguments=arguments,
+        teacher=True,
     )
 
 
@@ -170,8 +208,10 @@ STAGE_SPECS: dict[str, StageSpec] = {
             head="score",
             metric_prefixes=RM_METRIC_PREFIXES,
         ),
-        _online_rl("grpo", "trl:GRPOTrainer", "trl:GRPOConfig"),
+        _online_rl("grpo", "trl:GRPOTrainer", "trl:GRPOConfig", tool_rollouts=True),
         _online_rl("rloo", "trl:RLOOTrainer", "trl:RLOOConfig"),
+        # TRL's maintained on-policy distillation trainer (GKDTrainer, in trl.experimental, defers to it).
+        _distillation("distill", "trl:DistillationTrainer", "trl:DistillationConfig"),
     )
 }
 

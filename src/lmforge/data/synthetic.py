@@ -120,6 +120,90 @@ def arithmetic_kto_rows(count: int, *, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
+# The JSON schema of train/tools.py's calculator, as transformers derives it from the function
+# (tests/test_rl_tools.py keeps the two equal; data/ does not import train/).
+CALCULATOR_SCHEMA: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "expression": {
+                    "type": "string",
+                    "description": 'Numbers with + - * / // % ** and parentheses, e.g. "12 * (3 + 4)".',
+                }
+            },
+            "required": ["expression"],
+        },
+        "return": {"type": "string"},
+    },
+}
+CALCULATOR_QUESTIONS = ("What is {a} {op} {b}?",)
+
+
+def calculator_task_rows(count: int, *, seed: int) -> list[dict[str, str]]:
+    """Question / answer rows of two-digit sums, differences and products: too hard for a tiny
+    model to work out, easy with the calculator tool."""
+    return [{"question": q, "answer": answer} for q, _, answer in _calculations(count, seed)]
+
+
+def calculator_sft_rows(count: int, *, tool_share: float, seed: int) -> list[dict[str, Any]]:
+    """OpenAI-messages rows teaching the format: a `tool_share` of them call the calculator and
+    answer with its result, the rest answer at once (the answer a small model cannot compute, so
+    after SFT it calls the tool only sometimes, and RL has something to learn)."""
+    rng = random.Random(seed)
+    rows = []
+    for question, expression, answer in _calculations(count, seed):
+        user = {"role": "user", "content": question}
+        if rng.random() < tool_share:
+            call = {
+                "type": "function",
+                "function": {"name": "calculator", "arguments": {"expression": expression}},
+            }
+            messages = [
+                user,
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "calculator", "content": answer},
+                {"role": "assistant", "content": answer},
+            ]
+        else:
+            messages = [user, {"role": "assistant", "content": answer}]
+        rows.append({"messages": messages, "tools": [CALCULATOR_SCHEMA]})
+    return rows
+
+
+def calculator_tokenizer(rows: list[dict[str, Any]], *, vocab_size: int = 512) -> Any:
+    """A byte-level BPE trained on `rows` (calculator_sft_rows) as the llama3 template renders them,
+    with that template: a small model's tokenizer for the tool-use tests and benchmark."""
+    from lmforge.config.schema import TokenizerTrainConfig
+    from lmforge.data.chat_templates import BUILTIN_TEMPLATES, ensure_template_tokens
+    from lmforge.data.tokenizer import train_tokenizer
+
+    def with_llama3(tokenizer: Any) -> Any:
+        ensure_template_tokens(tokenizer, "llama3")
+        tokenizer.chat_template = BUILTIN_TEMPLATES["llama3"]
+        return tokenizer
+
+    probe = with_llama3(train_tokenizer(["x y"] * 10, TokenizerTrainConfig(vocab_size=300, min_frequency=1)))
+    texts = [probe.apply_chat_template(r["messages"], tools=r["tools"], tokenize=False) for r in rows]
+    return with_llama3(train_tokenizer(texts, TokenizerTrainConfig(vocab_size=vocab_size, min_frequency=1)))
+
+
+def _calculations(count: int, seed: int) -> list[tuple[str, str, str]]:
+    """(question, expression, answer) of `count` random two-digit calculations."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-")
+        value = a + b if op == "+" else a - b if op == "-" else a * b
+        # The expression keeps the space before each number: a byte-level BPE then gives the numbers
+        # the same tokens in the question and in the tool call, so a small model learns to copy them.
+        out.append((rng.choice(CALCULATOR_QUESTIONS).format(a=a, op=op, b=b), f" {a} {op} {b}", str(value)))
+    return out
+
+
 def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as handle:
@@ -129,9 +213,14 @@ def write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> Path:
 
 
 def write_examples(directory: Path) -> None:
-    """The preference and KTO example datasets in examples/data."""
+    """The preference, KTO and calculator-tool example datasets in examples/data."""
     write_jsonl(directory / "arithmetic_preference.jsonl", arithmetic_preference_rows(160, seed=1))
     write_jsonl(directory / "arithmetic_kto.jsonl", arithmetic_kto_rows(160, seed=2))
+    write_jsonl(
+        directory / "calculator_sft.jsonl",
+        calculator_sft_rows(2000, tool_share=0.5, seed=3),
+    )
+    write_jsonl(directory / "calculator_questions.jsonl", calculator_task_rows(400, seed=4))
 
 
 if __name__ == "__main__":

@@ -255,10 +255,11 @@ def _model_parallel_choice(
 ) -> tuple[DistributedConfig, str] | None:
     """FSDP2 x TP, x context, x pipeline or x experts from the layout planner, when no data-parallel
     strategy fits without offload: the first fitting layout, in the planner's order, that this run
-    passes the same checks for as a configured layout (full fine-tuning; no reference model under TP;
-    context and pipeline parallelism for pretrain and sft; sdpa for the ring; the architecture's heads,
-    layers and attention windows)."""
-    if cfg.train.method != "full" or stage_spec(cfg.train.stage).reference != "none":
+    passes the same checks for as a configured layout (full fine-tuning; no reference or teacher model
+    under TP; context and pipeline parallelism for pretrain and sft; sdpa for the ring; the
+    architecture's heads, layers and attention windows)."""
+    spec = stage_spec(cfg.train.stage)
+    if cfg.train.method != "full" or spec.reference != "none" or spec.teacher:
         return None
     from lmforge.distributed.planner import plan_layouts_for
     from lmforge.models.build import architecture_config

@@ -214,7 +214,9 @@ class HFTrainerAdapter(Trainer):
                 loss = self._chunked_step(model, inputs, num_items_in_batch, step.splits)
                 break
             except torch.OutOfMemoryError as err:
-                step.back_off(number, batch_size(inputs), err)
+                # Online RL and distillation pass the step its prompt rows (a list), not tensors.
+                rows = batch_size(inputs) if isinstance(inputs, dict) else len(inputs)
+                step.back_off(number, rows, err)
         step.add_loss(loss)
         return loss
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import torch
 
@@ -15,6 +16,7 @@ from lmforge.config import LmforgeConfig
 from lmforge.config.rl_rules import reward_model_problems
 from lmforge.config.schema import (
     OPTIMIZERS_ON_GPU_ONLY,
+    DistillConfig,
     ModelConfig,
     MonitorConfig,
     RlConfig,
@@ -65,6 +67,30 @@ def check_machine_requirements(cfg: LmforgeConfig) -> None:
         missing = reward_model_problems(cfg)  # a kind: model reward whose directory is not there
         if missing:
             raise UserInputError("\n".join(f"{key}: {message}" for key, message in missing))
+    if stage_spec(cfg.train.stage).teacher:
+        teacher_directory(cfg.train.distill)  # a teacher directory that is not there
+
+
+TEACHER_KEY = "train.distill.teacher"
+
+
+def teacher_directory(settings: DistillConfig) -> Path:
+    """The distillation teacher's directory; a UserInputError when it is unset or holds no model.
+    Its tokenizer is compared with the student's once that is loaded (train/teacher.py)."""
+    if settings.teacher is None:  # the config rules require it for stage distill; said again for callers
+        raise UserInputError(f"{TEACHER_KEY}: not set. Fix: point it at the teacher model's directory")
+    path = settings.teacher.expanduser()
+    if not path.is_dir():
+        raise UserInputError(
+            f"{TEACHER_KEY}: {str(settings.teacher)!r} is not a directory. Fix: point it at the teacher "
+            "model's directory (an HF causal LM saved with save_pretrained: config.json, safetensors "
+            "weights and its tokenizer), for example a larger model's runs/<name>/final"
+        )
+    if not (path / "config.json").is_file():
+        raise UserInputError(
+            f"{TEACHER_KEY}: {path} has no config.json. Fix: point it at an HF model directory"
+        )
+    return path
 
 
 def check_recipe_runs_here(train: TrainConfig) -> None:

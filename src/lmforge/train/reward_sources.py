@@ -10,6 +10,7 @@ import copy
 import importlib
 import importlib.util
 import inspect
+import json
 import logging
 import re
 import sys
@@ -27,10 +28,25 @@ RewardFn = Callable[..., list[float]]
 
 
 def completion_text(completion: Any) -> str:
-    """The text of a completion: the string itself, or the content of its messages."""
+    """The text of a completion: the string itself, or its messages' content, each tool call the
+    model made written as `name(arguments)` (a multi-turn episode's own turns, in order)."""
     if isinstance(completion, str):
         return completion
-    return "\n".join(content_text(message.get("content")) for message in completion)
+    return "\n".join(filter(None, (_turn_text(message) for message in completion)))
+
+
+def answer_text(completion: Any) -> str:
+    """What a completion answers: the string itself, or the content of its last message (in a
+    tool-use episode, what the model wrote after its last tool call)."""
+    if isinstance(completion, str):
+        return completion
+    return content_text(completion[-1].get("content")) if completion else ""
+
+
+def _turn_text(message: dict[str, Any]) -> str:
+    calls = [call.get("function", call) for call in message.get("tool_calls") or []]
+    written = [f"{call.get('name')}({json.dumps(call.get('arguments'))})" for call in calls]
+    return "\n".join(filter(None, [content_text(message.get("content")), *written]))
 
 
 def content_text(content: Any) -> str:
@@ -158,21 +174,29 @@ def _render(tokenizer: Any, prompt: Any, completion: Any) -> str:
 def python_reward(index: int, spec: str) -> RewardFn:
     """The user's function `module:function` or `path/file.py:function`, imported now."""
     key = f"train.rewards[{index}].function"
-    source, _, name = spec.rpartition(":")
-    module = _import_user_module(key, source, index)
-    function = getattr(module, name, None)
-    if function is None or not callable(function):
-        what = "has no function" if function is None else "has a non-callable"
-        raise UserInputError(
-            f"{key}: {source} {what} {name!r}. Fix: name a function defined in it, `{source}:<name>`"
-        )
+    function = user_object(key, spec)
+    if not callable(function):
+        raise UserInputError(f"{key}: {spec} is not callable. Fix: name a function defined in its module")
     if inspect.iscoroutinefunction(function):
-        raise UserInputError(f"{key}: {name} is async; a reward function must be a plain (def) function")
+        raise UserInputError(f"{key}: {spec} is async; a reward function must be a plain (def) function")
     log.warning("train.rewards[%d]: running your code %s (run_user_code: true)", index, spec)
     return function  # type: ignore[no-any-return]
 
 
-def _import_user_module(key: str, source: str, index: int) -> Any:
+def user_object(key: str, spec: str) -> Any:
+    """What `module:name` or `path/file.py:name` names (the user's reward, tool or environment),
+    imported now; any failure is a UserInputError naming `key`."""
+    source, _, name = spec.rpartition(":")
+    module = _import_user_module(key, source)
+    found = getattr(module, name, None)
+    if found is None:
+        raise UserInputError(
+            f"{key}: {source} has no {name!r}. Fix: name one defined in it, `{source}:<name>`"
+        )
+    return found
+
+
+def _import_user_module(key: str, source: str) -> Any:
     """Import a module by dotted name, or a .py file by path; any failure is a UserInputError."""
     if source.endswith(".py") or "/" in source or "\\" in source:
         path = Path(source).expanduser()
@@ -180,7 +204,7 @@ def _import_user_module(key: str, source: str, index: int) -> Any:
             raise UserInputError(
                 f"{key}: no file {str(path)!r}. Fix: give an existing file, `path/to/file.py:function`"
             )
-        module_name = f"lmforge_user_reward_{index}_" + re.sub(r"\W", "_", path.stem)
+        module_name = "lmforge_user_" + re.sub(r"\W", "_", f"{key}_{path.stem}")
         spec = importlib.util.spec_from_file_location(module_name, path)
         if spec is None or spec.loader is None:
             raise UserInputError(f"{key}: {str(path)!r} cannot be imported as a Python module")

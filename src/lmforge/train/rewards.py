@@ -26,7 +26,14 @@ import torch
 
 from lmforge.config.schema import RewardConfig
 from lmforge.errors import UserInputError, WorkFailed
-from lmforge.train.reward_sources import RewardFn, completion_text, content_text, model_reward, python_reward
+from lmforge.train.reward_sources import (
+    RewardFn,
+    answer_text,
+    completion_text,
+    content_text,
+    model_reward,
+    python_reward,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -170,7 +177,7 @@ def _against_reference(score: Callable[[str, str], float]) -> RewardFn:
             raise KeyError(f"the batch has no `{REFERENCE_COLUMN}` column of reference answers")
         references = kwargs[REFERENCE_COLUMN]
         return [
-            score(completion_text(c).strip(), _reference_text(r))
+            score(answer_text(c).strip(), _reference_text(r))
             for c, r in zip(completions, references, strict=True)
         ]
 
@@ -245,7 +252,7 @@ def _math_reward() -> RewardFn:
             if reference not in golds:
                 golds[reference] = parse_reference(reference, timeout)
             # An unparseable completion parses to [] and verifies False: the answer is wrong, the reward fine.
-            answer = parse(completion_text(completion).strip(), parsing_timeout=timeout)
+            answer = parse(answer_text(completion).strip(), parsing_timeout=timeout)
             scores.append(1.0 if verify(golds[reference], answer, timeout_seconds=timeout) else 0.0)
         return scores
 

@@ -23,6 +23,7 @@ or the log-probabilities disagree by more than LOGPROB_TOLERANCE (of the model's
 
 from __future__ import annotations
 
+import copy
 import logging
 import statistics
 import tempfile
@@ -39,6 +40,7 @@ from lmforge.config.schema import LmforgeConfig
 from lmforge.config.stages import stage_spec
 from lmforge.errors import UserInputError
 from lmforge.run_layout import RunPaths
+from lmforge.train.reward_sources import completion_text
 from lmforge.train.rewards import REFERENCE_COLUMN, RewardFailed, RewardSet
 from lmforge.train.rl_stage import build_rl_rewards
 
@@ -88,6 +90,19 @@ def run_rl_check(cfg: LmforgeConfig, *, prompts: int = 8) -> RlCheckReport:
             f"train.stage: rl check is for online RL (grpo, rloo); this config's stage is {cfg.train.stage}"
         )
     started = time.perf_counter()
+    from lmforge.upstream import route_deepspeed_logs
+
+    # Upstream notices (deprecations, DeepSpeed's CPU accelerator line) go through logging, where
+    # the command's console filter keeps the ones without an action off the screen.
+    route_deepspeed_logs()
+    logging.captureWarnings(True)
+    try:
+        return _run_rl_check(cfg, prompts, started)
+    finally:
+        logging.captureWarnings(False)
+
+
+def _run_rl_check(cfg: LmforgeConfig, prompts: int, started: float) -> RlCheckReport:
     from lmforge.data.run_data import prepare_data_for_run
     from lmforge.models.build import build_model
 
@@ -101,12 +116,52 @@ def run_rl_check(cfg: LmforgeConfig, *, prompts: int = 8) -> RlCheckReport:
     model.to(device).eval()  # type: ignore[arg-type]
     rows = [data.train[i] for i in range(min(prompts, len(data.train)))]  # type: ignore[arg-type]
     rewards = build_rl_rewards(cfg.train, data.train, tokenizer)
-    checks, groups = _checks(cfg, model, tokenizer, rewards, rows)
+    with tempfile.TemporaryDirectory(prefix="lmforge-rl-check-") as scratch:
+        trainer = (
+            _episode_trainer(cfg, model, tokenizer, rewards, rows, scratch) if cfg.train.rl.tools else None
+        )
+        checks, groups = _checks(cfg, model, tokenizer, rewards, rows, trainer)
     return RlCheckReport(checks, time.perf_counter() - started, loss_example(tokenizer, groups))
 
 
+def _episode_trainer(
+    cfg: LmforgeConfig,
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    rewards: RewardSet,
+    rows: list[dict[str, Any]],
+    scratch: str,
+) -> Any:
+    """The run's TRL trainer (its tools, response template, generation and tool loop), built to
+    roll out the check's tool-use episodes; it never trains."""
+    from datasets import Dataset
+
+    from lmforge.train.stages.online_rl import online_rl_stage
+
+    stage = online_rl_stage(cfg.train, rewards, tokenizer, use_vllm=False)
+    values = {
+        **stage.values,
+        "output_dir": scratch,
+        "report_to": "none",
+        "per_device_train_batch_size": cfg.train.rl.group_size,
+        "use_cpu": not torch.cuda.is_available(),
+    }
+    return stage.trainer(
+        model=model,
+        args=stage.config(**values),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        **stage.extra,
+    )
+
+
 def warn_before_updates(
-    cfg: LmforgeConfig, model: Any, tokenizer: PreTrainedTokenizerBase, rewards: RewardSet, dataset: Any
+    cfg: LmforgeConfig,
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    rewards: RewardSet,
+    dataset: Any,
+    trainer: Any = None,
 ) -> list[Check]:
     """The checks on the run's first START_PROMPTS prompts with the model and reward functions as
     training starts (the trainer's own: a reward model is not loaded twice), each one that does not
@@ -118,7 +173,7 @@ def warn_before_updates(
     with torch.random.fork_rng(devices=devices):
         model.eval()
         try:
-            checks = _checks(cfg, model, tokenizer, rewards, rows)[0]
+            checks = _checks(cfg, model, tokenizer, rewards, rows, trainer)[0]
         finally:
             model.train(was_training)
     for check in checks:
@@ -133,33 +188,56 @@ def _checks(
     tokenizer: PreTrainedTokenizerBase,
     rewards: RewardSet,
     rows: list[dict[str, Any]],
+    trainer: Any = None,
 ) -> tuple[list[Check], list[Group]]:
-    """Every check on `rows`, and the sampled groups (for the loss-mask example)."""
+    """Every check on `rows`, and the sampled groups (for the loss-mask example). With tools, the
+    groups are whole episodes rolled out by `trainer` (TRL's tool loop); the log-probability check
+    samples first turns, which the same model generates in the same way."""
+    tools = _tool_functions(trainer)
     stops = stop_ids(model, tokenizer)
-    checks = [template_round_trip(tokenizer, rows), stop_tokens(tokenizer, stops)]
-    groups = sample_groups(model, tokenizer, rows, cfg)
+    checks = [template_round_trip(tokenizer, rows, tools), stop_tokens(tokenizer, stops)]
+    groups = sample_groups(model, tokenizer, rows, cfg, tools)
     checks.append(agreement(model, groups, cfg.train.rl.temperature))
+    if cfg.train.rl.tools is not None and trainer is not None:
+        groups = tool_episodes(trainer, rows, cfg.train.rl.group_size)
+        checks.append(episode_masks(tokenizer, groups, tools))
     checks += reward_checks(cfg, rewards, tokenizer, groups)
     return checks, groups
 
 
-def _prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: Any) -> list[int]:
-    """The prompt's ids as TRL's GRPOTrainer makes them (the chat template, generation prompt on)."""
+def _tool_functions(trainer: Any) -> list[Any] | None:
+    """The tools the trainer renders into its prompts (TRL's GRPOTrainer.tools), or None."""
+    return list(getattr(trainer, "tools", None) or []) or None
+
+
+def _prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: Any, tools: list[Any] | None = None) -> list[int]:
+    """The prompt's ids as TRL's GRPOTrainer makes them (the chat template, generation prompt on,
+    the tools' schemas in it)."""
     if isinstance(prompt, str):
         return list(tokenizer(prompt)["input_ids"])
     rendered: Any = tokenizer.apply_chat_template(
-        prompt, add_generation_prompt=True, tokenize=True, return_dict=True
+        prompt, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True
     )
     return list(rendered["input_ids"])
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: Any, *, generation_prompt: bool) -> str:
+def _render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Any,
+    *,
+    generation_prompt: bool,
+    tools: list[Any] | None = None,
+) -> str:
     return str(
-        tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+        tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
+        )
     )
 
 
-def template_round_trip(tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]]) -> Check:
+def template_round_trip(
+    tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]], tools: list[Any] | None = None
+) -> Check:
     """Each prompt's ids equal its rendered text tokenized again (no special token split or merged
     at the seams), and the text ends with the template's generation prompt."""
     broken = []
@@ -167,10 +245,10 @@ def template_round_trip(tokenizer: PreTrainedTokenizerBase, rows: list[dict[str,
         prompt = row["prompt"]
         if isinstance(prompt, str):
             continue
-        text = _render(tokenizer, prompt, generation_prompt=True)
-        bare = _render(tokenizer, prompt, generation_prompt=False)
+        text = _render(tokenizer, prompt, generation_prompt=True, tools=tools)
+        bare = _render(tokenizer, prompt, generation_prompt=False, tools=tools)
         again = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if _prompt_ids(tokenizer, prompt) != list(again) or not text.startswith(bare) or text == bare:
+        if _prompt_ids(tokenizer, prompt, tools) != list(again) or not text.startswith(bare) or text == bare:
             broken.append(number)
     if broken:
         return Check(
@@ -230,11 +308,19 @@ class Group:
     completions: list[list[int]]  # up to and including EOS
     logprobs: list[list[float]]  # of each completion token, as generation computed them
     texts: list[str]
+    # A tool-use episode's turns (the model's messages and the tool results, as the rewards get
+    # them) and which completion tokens carry the loss (TRL's tool_mask); None for one turn.
+    episodes: list[list[dict[str, Any]]] | None = None
+    loss_masks: list[list[int]] | None = None
 
 
 @torch.no_grad()
 def sample_groups(
-    model: Any, tokenizer: PreTrainedTokenizerBase, rows: list[dict[str, Any]], cfg: LmforgeConfig
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict[str, Any]],
+    cfg: LmforgeConfig,
+    tools: list[Any] | None = None,
 ) -> list[Group]:
     """`group_size` completions per prompt with the run's generation settings (TRL's)."""
     rl = cfg.train.rl
@@ -253,7 +339,7 @@ def sample_groups(
     stops = set(settings["eos_token_id"])
     groups = []
     for row in rows:
-        prompt_ids = _prompt_ids(tokenizer, row["prompt"])
+        prompt_ids = _prompt_ids(tokenizer, row["prompt"], tools)
         inputs = torch.tensor([prompt_ids] * rl.group_size, device=device)
         out = model.generate(
             input_ids=inputs,
@@ -275,6 +361,124 @@ def sample_groups(
         texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
         groups.append(Group(row, prompt_ids, completions, logprobs, texts))
     return groups
+
+
+def tool_episodes(trainer: Any, rows: list[dict[str, Any]], group_size: int) -> list[Group]:
+    """`group_size` tool-use episodes per prompt, rolled out by TRL's GRPOTrainer itself: its
+    generation, tool calls, tool results and the tool_mask its loss applies. What the trainer logs
+    and counts while doing so is put back: the check leaves no trace in a run's metrics."""
+    saved = _trainer_logs(trainer)
+    groups = []
+    try:
+        for row in rows:
+            out = trainer._generate_and_score_completions([row] * group_size)
+            episodes = [list(turns) for turns in list(trainer._logs["completion"])[-group_size:]]
+            groups.append(_episode_group(row, out, episodes))
+    finally:
+        _restore_trainer_logs(trainer, saved)
+    return groups
+
+
+def _episode_group(row: dict[str, Any], out: dict[str, Any], episodes: list[list[dict[str, Any]]]) -> Group:
+    prompt_ids = out["prompt_ids"][0][out["prompt_mask"][0].bool()].tolist()
+    completions, masks = [], []
+    tool_mask = out.get("tool_mask")
+    for i in range(len(episodes)):
+        length = int(out["completion_mask"][i].sum())
+        completions.append(out["completion_ids"][i][:length].tolist())
+        mask = tool_mask[i][:length] if tool_mask is not None else torch.ones(length)
+        masks.append([int(m) for m in mask.tolist()])
+    texts = [completion_text(turns) for turns in episodes]
+    return Group(row, prompt_ids, completions, [], texts, episodes=episodes, loss_masks=masks)
+
+
+def _trainer_logs(trainer: Any) -> dict[str, Any]:
+    return {
+        "metrics": {
+            mode: {k: list(v) for k, v in values.items()} for mode, values in trainer._metrics.items()
+        },
+        "logs": {
+            k: (copy.copy(v) if not isinstance(v, dict) else {n: copy.copy(d) for n, d in v.items()})
+            for k, v in trainer._logs.items()
+        },
+    }
+
+
+def _restore_trainer_logs(trainer: Any, saved: dict[str, Any]) -> None:
+    for mode, values in trainer._metrics.items():
+        values.clear()
+        values.update(saved["metrics"][mode])
+    for key, value in saved["logs"].items():
+        target = trainer._logs[key]
+        target.clear()
+        if isinstance(value, dict):
+            target.update(value)
+        else:
+            target.extend(value)
+
+
+def episode_masks(tokenizer: PreTrainedTokenizerBase, groups: list[Group], tools: list[Any] | None) -> Check:
+    """Only the model's own tokens carry the loss in a tool-use episode: TRL's tool_mask over each
+    finished episode against the chat template's own assistant mask (its {% generation %} markers,
+    what SFT trains on) over the same conversation rendered whole. A tool result with loss would
+    teach the model to write the tool's answers; a turn of its own without loss, to learn nothing
+    from it. Compared character by character (whitespace aside): the rollout tokenizes its pieces
+    one by one, the template the whole text, and a BPE may cut the seams differently."""
+    compared = tool_tokens = disagree = unfinished = 0
+    example: str | None = None
+    for group in groups:
+        for ids, mask, turns in zip(
+            group.completions, group.loss_masks or [], group.episodes or [], strict=True
+        ):
+            messages = [*group.row["prompt"], *turns]
+            prompt = _render(tokenizer, group.row["prompt"], generation_prompt=True, tools=tools)
+            whole = _render(tokenizer, messages, generation_prompt=False, tools=tools)
+            rollout_text, rollout = _characters_with_loss(tokenizer, ids, mask)
+            marked = _template_characters_with_loss(tokenizer, whole, messages, tools)
+            if marked is None or not whole.startswith(prompt) or whole[len(prompt) :] != rollout_text:
+                unfinished += 1  # cut at max_completion_length: the template would close the turn
+                continue
+            template = marked[len(prompt) :]
+            compared += 1
+            tool_tokens += mask.count(0)
+            wrong = [
+                i
+                for i, (a, b) in enumerate(zip(rollout, template, strict=True))
+                if a != b and not rollout_text[i].isspace()
+            ]
+            if wrong:
+                disagree += 1
+                example = example or "".join(rollout_text[i] for i in wrong[:80])
+    figures = {
+        "episodes": compared,
+        "not_compared": unfinished,
+        "masked_tokens": tool_tokens,
+        "disagree": disagree,
+    }
+    if disagree:
+        return Check(
+            "episode_mask",
+            "fail",
+            f"in {disagree} of {compared} tool-use episodes the text that carries loss is not the model's own "
+            f"turns (e.g. {example!r}): the chat template's tool format and TRL's tool loop disagree; use a "
+            "catalogue tool template (data.chat_template)",
+            figures,
+        )
+    if not compared:
+        return Check(
+            "episode_mask",
+            "warn",
+            f"no finished episode to compare ({unfinished} cut at train.rl.max_completion_length): raise "
+            "max_completion_length or sample more prompts",
+            figures,
+        )
+    return Check(
+        "episode_mask",
+        "pass",
+        f"{compared} tool-use episodes: the loss falls on the model's turns only ({tool_tokens} tool-result and "
+        "template tokens masked), as the chat template marks them",
+        figures,
+    )
 
 
 @torch.no_grad()
@@ -329,7 +533,10 @@ def reward_checks(
     best: dict[str, float] = {}
     try:
         for group in groups:
-            scores = [_score(f, group, group.completions, group.texts, group_size) for f in rewards.functions]
+            scores = [
+                _score(f, group, group.completions, group.texts, group_size, group.episodes)
+                for f in rewards.functions
+            ]
             for name, values in zip(names, scores, strict=True):
                 best[name] = max([best.get(name, float("-inf")), *values])
             totals.append(
@@ -345,13 +552,22 @@ def reward_checks(
 
 
 def _score(
-    function: Any, group: Group, ids: list[list[int]], texts: list[str], group_size: int
+    function: Any,
+    group: Group,
+    ids: list[list[int]],
+    texts: list[str],
+    group_size: int,
+    episodes: list[list[dict[str, Any]]] | None = None,
 ) -> list[float]:
-    """TRL's call of a reward function on one group's completions."""
+    """TRL's call of a reward function on one group's completions (a tool-use episode's turns)."""
     count = len(texts)
     prompt = group.row["prompt"]
     conversational = not isinstance(prompt, str)
-    completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+    completions: list[Any] = (
+        [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+    )
+    if episodes is not None:
+        completions = episodes
     extra = {k: [v] * count for k, v in group.row.items() if k != "prompt"}
     values = function(
         prompts=[prompt] * count,
@@ -437,18 +653,59 @@ def _reference_check(reference: dict[str, list[float]], best: dict[str, float]) 
     return Check("reference", "pass", "every reward gives the reference answers its top score", figures)
 
 
+def _characters_with_loss(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], mask: list[int]
+) -> tuple[str, list[int]]:
+    """The decoded completion and, per character, whether its token carries loss. Decoded a prefix
+    at a time: a byte-level token may hold part of a character."""
+    text, flags = "", []
+    for end in range(1, len(ids) + 1):
+        decoded = str(tokenizer.decode(ids[:end]))
+        flags += [mask[end - 1]] * (len(decoded) - len(text))
+        text = decoded
+    return text, flags
+
+
+def _template_characters_with_loss(
+    tokenizer: PreTrainedTokenizerBase, text: str, messages: list[dict[str, Any]], tools: list[Any] | None
+) -> list[int] | None:
+    """Per character of the rendered conversation, whether the chat template marks it as the
+    assistant's (the token mask it gives SFT, spread over each token's characters)."""
+    rendered: Any = tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    flags = [0] * len(text)
+    if len(offsets) != len(rendered["assistant_masks"]):
+        return None  # the template tokenized another text than it rendered: nothing to compare
+    for (start, end), flag in zip(offsets, rendered["assistant_masks"], strict=True):
+        flags[start:end] = [flag] * (end - start)
+    return flags
+
+
 def loss_example(tokenizer: PreTrainedTokenizerBase, groups: list[Group]) -> dict[str, Any]:
     """One prompt and completion as (text, carries loss) runs: the completion's tokens carry the
-    policy loss, the prompt's none (single-turn rollouts)."""
+    policy loss, the prompt's none, and in a tool-use episode the tool results none (TRL's tool_mask)."""
     if not groups or not groups[0].completions:
         return {}
     from lmforge.data.run_data import supervised_runs
 
-    group = groups[0]
-    ids = group.prompt_ids + group.completions[0]
-    labels = [-100] * len(group.prompt_ids) + group.completions[0]
+    group = next((g for g in groups if g.loss_masks and any(0 in m for m in g.loss_masks)), groups[0])
+    pick = _example_index(group)
+    completion = group.completions[pick]
+    mask = group.loss_masks[pick] if group.loss_masks is not None else [1] * len(completion)
+    ids = group.prompt_ids + completion
+    labels = [-100] * len(group.prompt_ids) + [
+        t if m else -100 for t, m in zip(completion, mask, strict=True)
+    ]
     return {
         "runs": supervised_runs(tokenizer, ids, labels),
         "tokens": len(ids),
-        "with_loss": len(group.completions[0]),
+        "with_loss": sum(mask),
     }
+
+
+def _example_index(group: Group) -> int:
+    """The first episode that called a tool (the mask worth seeing), else the first completion."""
+    masks = group.loss_masks or []
+    return next((i for i, mask in enumerate(masks) if 0 in mask), 0)

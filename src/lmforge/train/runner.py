@@ -58,6 +58,7 @@ from lmforge.train.run_setup import RunSetup, clear_partial_writes, set_up_run, 
 from lmforge.train.rundir import make_run_dir
 from lmforge.train.stages.build import needs_reference_model
 from lmforge.train.step import OutOfMemoryGivenUp, TrainStep
+from lmforge.train.teacher import check_teacher_vocabulary
 from lmforge.upstream import quiet_progress_bars, route_deepspeed_logs
 from lmforge.verbosity import FILE_ONLY, is_verbose
 
@@ -136,6 +137,8 @@ def _train_run(
     assert tokenizer is not None and data is not None  # set for every run that trains
     metrics = MetricsLog(paths.metrics)  # read after the directory was settled (resumed, cleared)
 
+    if stage_spec(cfg.train.stage).teacher:  # two tokenizers compared before either model is built
+        check_teacher_vocabulary(cfg, tokenizer)
     head: Head = stage_spec(cfg.train.stage).head
     model: Any = build_model(
         cfg.model,
@@ -201,7 +204,7 @@ def _train_run(
         from lmforge.train.rl_check import warn_before_updates
 
         rewards = RewardSet(list(trainer.reward_funcs), trainer.reward_weights.tolist())  # type: ignore[attr-defined]
-        warn_before_updates(cfg, trainer.model, tokenizer, rewards, data.train)
+        warn_before_updates(cfg, trainer.model, tokenizer, rewards, data.train, trainer)
     rank0 = trainer.is_world_process_zero()
     changed = [*setup.changes.maths, *setup.changes.harmless]
     if rank0 and changed:  # also in history/: the settings each launch ran with

@@ -136,7 +136,8 @@ class TrainStep:
         `precision`: the resolved train.precision, whose matmul peak MFU is measured against.
         `oom_ladder_climbed`: the run took a rung of the OOM ladder; oom drills no longer fire."""
         settings = stage_guard_settings(cfg.monitor.guard, cfg.train.stage)
-        online_rl = stage_spec(cfg.train.stage).online_rl
+        spec = stage_spec(cfg.train.stage)
+        online_rl = spec.online_rl
         if update_in_backward:
             settings, named = settings_for_update_in_backward(settings, online_rl=online_rl)
             if named:
@@ -154,8 +155,9 @@ class TrainStep:
         return cls(
             guardrails,
             Drills.from_config(cfg.debug, oom_ladder_climbed=oom_ladder_climbed),
-            # Online RL's micro-batches are generated completions in whole groups: not split in chunks.
-            oom_backoff=cfg.monitor.enabled and settings.oom_backoff and not online_rl,
+            # On-policy micro-batches are prompt rows the trainer generates from (online RL's in whole
+            # groups): not token batches to split in chunks.
+            oom_backoff=cfg.monitor.enabled and settings.oom_backoff and not spec.on_policy,
             flops_per_token=rank_flops_per_token(model, cfg.data.max_length),
             peak_flops=peak_flops(device, precision) if cfg.monitor.enabled else 0.0,
             peak_measured=datasheet_peak(device) is None,
@@ -211,8 +213,8 @@ class TrainStep:
         """After an out-of-memory: run each micro-batch as twice as many chunks, or give up."""
         if not self.oom_backoff or self.world_size > 1 or self.splits >= size:
             reason = (
-                "the micro-batch back-off is off (monitor.guard.oom_backoff; always in online RL, whose "
-                "micro-batches are whole groups of generated completions)"
+                "the micro-batch back-off is off (monitor.guard.oom_backoff; always in online RL and "
+                "distillation, whose micro-batches are prompts the trainer generates completions for)"
                 if not self.oom_backoff
                 else "the back-off runs in single-process training only (ranks must split in lockstep)"
                 if self.world_size > 1

@@ -3,8 +3,9 @@
 pretrain and sft run HF Trainer over lmforge's own prepared samples and collators; dpo, kto
 and rm run TRL's trainers (train/stages/preference.py), fed the data stage's validated
 conversational rows; grpo and rloo run TRL's GRPOTrainer and RLOOTrainer on prompts with the
-rewards of `train.rewards` (train/stages/online_rl.py). Each gets the same TrainingArguments
-mapping and callbacks.
+rewards of `train.rewards` (train/stages/online_rl.py); distill runs TRL's DistillationTrainer on
+prompts with the teacher of `train.distill` (train/stages/distill.py). Each gets the same
+TrainingArguments mapping and callbacks.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from lmforge.train.numerics import CountingCollator
 from lmforge.train.preflight import uses_vllm
 from lmforge.train.rl_stage import build_rl_rewards, record_rl_settings
 from lmforge.train.stages.binding import TrlStage, resolve_class
+from lmforge.train.stages.distill import distill_stage
 from lmforge.train.stages.online_rl import online_rl_stage, resolved_rl_settings
 from lmforge.train.stages.preference import PREFERENCE_STAGES
 from lmforge.train.step import TrainStep
@@ -70,7 +72,7 @@ def build_stage_trainer(
     }
     evaluation = data.eval if has_eval else None
     spec = stage_spec(cfg.train.stage)
-    stage = _trl_stage(cfg, spec, data, tokenizer)
+    stage = _trl_stage(cfg, spec, data, tokenizer, model)
     args = build_training_arguments(
         cfg.train,
         paths,
@@ -114,13 +116,19 @@ def build_stage_trainer(
 
 
 def _trl_stage(
-    cfg: LmforgeConfig, spec: StageSpec, data: RunData, tokenizer: PreTrainedTokenizerBase
+    cfg: LmforgeConfig,
+    spec: StageSpec,
+    data: RunData,
+    tokenizer: PreTrainedTokenizerBase,
+    model: PreTrainedModel,
 ) -> TrlStage | None:
     """The TRL trainer binding of `spec`'s stage; None for the language-model stages, which run
     HF Trainer over lmforge's own samples and collators."""
     if spec.online_rl:
         rewards = build_rl_rewards(cfg.train, data.train, tokenizer)
-        return online_rl_stage(cfg.train, rewards, use_vllm=uses_vllm(cfg.train.rl))
+        return online_rl_stage(cfg.train, rewards, tokenizer, use_vllm=uses_vllm(cfg.train.rl))
     if spec.offline_preference:
         return PREFERENCE_STAGES[spec.name](cfg)
+    if spec.teacher:
+        return distill_stage(cfg, model)
     return None

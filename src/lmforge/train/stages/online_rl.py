@@ -9,10 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from transformers import PreTrainedTokenizerBase
+
 from lmforge.config.schema import RlConfig, TrainConfig
 from lmforge.config.stages import stage_spec
 from lmforge.train.rewards import RewardSet
 from lmforge.train.stages.binding import TrlStage, trl_stage
+from lmforge.train.tools import tool_arguments, tool_names
 
 
 def rl_config_values(train: TrainConfig, rewards: RewardSet, *, use_vllm: bool) -> dict[str, Any]:
@@ -45,6 +48,8 @@ def rl_config_values(train: TrainConfig, rewards: RewardSet, *, use_vllm: bool) 
         # in the dtype it was saved in.
         "model_init_kwargs": {"dtype": "auto"},
     }
+    if rl.tools is not None:
+        values["max_tool_calling_iterations"] = rl.tools.max_turns
     values.update(_LOSS_VALUES[train.stage](rl))
     return values
 
@@ -97,6 +102,7 @@ RESOLVED_SETTINGS = (
     "vllm_mode",
     "vllm_importance_sampling_correction",
     "vllm_importance_sampling_mode",
+    "max_tool_calling_iterations",
 )
 
 
@@ -109,16 +115,23 @@ def resolved_rl_settings(args: Any, train: TrainConfig) -> dict[str, Any]:
         **settings,
         "on_reward_error": train.rl.on_reward_error,
         "max_reward_error_fraction": train.rl.max_reward_error_fraction,
+        **({"tools": tool_names(train.rl.tools)} if train.rl.tools is not None else {}),
     }
 
 
-def online_rl_stage(train: TrainConfig, rewards: RewardSet, *, use_vllm: bool) -> TrlStage:
-    """The TRL trainer of `train.stage` (grpo or rloo), given the reward functions."""
+def online_rl_stage(
+    train: TrainConfig, rewards: RewardSet, tokenizer: PreTrainedTokenizerBase, *, use_vllm: bool
+) -> TrlStage:
+    """The TRL trainer of `train.stage` (grpo or rloo), given the reward functions (and the tools
+    of a multi-turn run, which may give the tokenizer its tool-call parser)."""
     spec = stage_spec(train.stage)
+    extra: dict[str, Any] = {"reward_funcs": rewards.functions}
+    if train.rl.tools is not None:
+        extra.update(tool_arguments(train.rl.tools, tokenizer))
     return trl_stage(
         spec.trainer,
         spec.arguments,
         rl_config_values(train, rewards, use_vllm=use_vllm),
         takes_reference=False,  # TRL loads the reference itself (train/rl_stage.py's reference_model_path)
-        extra={"reward_funcs": rewards.functions},
+        extra=extra,
     )
