@@ -113,8 +113,10 @@ def launch(
     """
     from lmforge.config import load_config
     from lmforge.distributed import launch as plan
+    from lmforge.distributed import vllm_server
+    from lmforge.distributed.vllm_server import vllm_server_plan
     from lmforge.train import oom_ladder
-    from lmforge.train.preflight import require_tested_versions
+    from lmforge.train.preflight import VLLM_SERVER_ENV, require_tested_versions
 
     apply_verbosity(verbose)  # the workers inherit it (LMFORGE_VERBOSE)
     from lmforge.distributed.hostfile import hostfile_layout
@@ -149,6 +151,12 @@ def launch(
             accelerate_config=accelerate_config,
         )
         slurm = slurm or slurm_out is not None
+        server = vllm_server_plan(cfg, int(request.nproc_per_node), request.node_range[1])
+        if slurm and server is not None:
+            raise UserInputError(
+                "train.rl.vllm.mode: server: --slurm writes one torchrun per node and starts no vLLM server; "
+                "use mode colocate in a job script, or run lmforge launch inside the allocation"
+            )
         if slurm:
             script = plan.slurm_script(request, Path.cwd())
             target = slurm_out or cfg.run.output_dir / f"{cfg.run.name}.sbatch"
@@ -157,6 +165,12 @@ def launch(
             launch_plan.stall = _stall_watch(cfg)
             mesh_note = _mesh_note(cfg, request)
             launch_plan.notes[:0] = [note for note in (mesh_note, engine_note, ladder_note) if note]
+            if server is not None:  # the training processes see their GPUs only, the server its own
+                launch_plan.env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, server.training_devices))
+                launch_plan.env[VLLM_SERVER_ENV] = server.url  # what `lmforge train` checks it runs beside
+                launch_plan.notes += vllm_server.describe(server)
+                if not dry_run:
+                    vllm_server.check_gpus_for(server)
     except UserInputError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
@@ -189,7 +203,18 @@ def launch(
         raise typer.Exit(2) from None
     for note in launch_plan.notes:
         typer.echo(f"lmforge launch: {note}", err=True)
-    raise typer.Exit(_train_with_oom_ladder(request, launch_plan, cfg, worker_overrides, taken))
+    if server is None:
+        raise typer.Exit(_train_with_oom_ladder(request, launch_plan, cfg, worker_overrides, taken))
+    try:
+        process = vllm_server.start(server, cfg.run.output_dir / cfg.run.name / "vllm_server.log")
+    except UserInputError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
+    try:
+        code = _train_with_oom_ladder(request, launch_plan, cfg, worker_overrides, taken)
+    finally:
+        vllm_server.stop(process)
+    raise typer.Exit(code)
 
 
 def _mesh_note(cfg: LmforgeConfig, request: LaunchRequest) -> str | None:

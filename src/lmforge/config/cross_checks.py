@@ -211,6 +211,30 @@ RULES: list[Rule] = [
         "train.rl.loss selects GRPO's loss variants; RLOO has its own estimator: leave train.rl.loss unset",
     ),
     (
+        lambda c: c.train.rl.generation == "transformers" and bool(c.train.rl.vllm.model_fields_set),
+        "train.rl.vllm",
+        "vLLM settings with train.rl.generation: transformers do nothing; set generation: vllm (CUDA and the "
+        "vllm extra) or remove train.rl.vllm",
+    ),
+    (
+        lambda c: (
+            stage_spec(c.train.stage).trainer != "trl:GRPOTrainer"
+            and bool(
+                {"importance_sampling", "importance_sampling_max", "importance_sampling_min"}
+                & c.train.rl.vllm.model_fields_set
+            )
+        ),
+        "train.rl.vllm.importance_sampling",
+        "the importance-sampling correction of vLLM's log-probs is GRPO's (TRL's GRPOTrainer); TRL's "
+        "RLOOTrainer has none: remove it, or use train.stage: grpo",
+    ),
+    (
+        lambda c: c.train.rl.vllm.mode == "server" and c.train.rl.generation != "vllm",
+        "train.rl.vllm.mode",
+        "server mode starts a vLLM server beside the trainer: set train.rl.generation: vllm (with auto, a "
+        "machine without vLLM would generate with transformers and leave the server unused)",
+    ),
+    (
         lambda c: c.train.rl.tools is not None and not stage_spec(c.train.stage).tool_rollouts,
         "train.rl.tools",
         "tool-use rollouts run on TRL's GRPOTrainer, which runs the episode's tool calls (train.stage grpo); "

@@ -518,6 +518,38 @@ class RlToolsConfig(Section):
         return self
 
 
+class RlVllmConfig(Section):
+    """vLLM generation of online RL (train.rl.generation: vllm; CUDA only)."""
+
+    mode: Literal["colocate", "server"] = Field(
+        "colocate",
+        description="colocate: vLLM runs inside each training process and shares its GPU; server: `lmforge "
+        "launch` starts TRL's vLLM server (trl vllm-serve) on `server_gpus` GPUs of its own, after the "
+        "training processes' (with --nproc-per-node 2 and server_gpus 1: training on GPUs 0-1, the server on "
+        "GPU 2), on 127.0.0.1; the weights are sent to it after each update.",
+    )
+    server_gpus: int = Field(
+        1, ge=1, description="Server mode: GPUs of the vLLM server (its tensor parallel size)."
+    )
+    server_port: int = Field(8000, ge=1, le=65535, description="Server mode: the server's port on 127.0.0.1.")
+    gpu_memory_utilization: float = Field(
+        0.3,
+        gt=0,
+        le=1,
+        description="Share of GPU memory vLLM takes (colocated: of the training GPU; server: of its own).",
+    )
+    importance_sampling: Literal[
+        "off", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = Field(
+        "sequence_mask",
+        description="TRL's correction of the train / rollout mismatch (vLLM's log-probs are not the "
+        "trainer's): the ratio of the two per token or per sequence, truncated to [importance_sampling_min, "
+        "importance_sampling_max] or masked outside it; off: none.",
+    )
+    importance_sampling_max: float | None = Field(3.0, gt=0, description="Upper bound of the ratio (C_max).")
+    importance_sampling_min: float | None = Field(None, ge=0, description="Lower bound of the ratio (C_min).")
+
+
 class RlConfig(Section):
     """Settings of the online-RL stages: grpo (TRL GRPOTrainer) and rloo (TRL RLOOTrainer)."""
 
@@ -581,6 +613,11 @@ class RlConfig(Section):
         None,
         description="Multi-turn tool use (stage grpo): the tools the model may call during an episode. The chat "
         "template must have a tool-call format (data.chat_template qwen2, qwen3, qwen3_nothink or llama3).",
+    )
+    vllm: RlVllmConfig = Field(
+        default_factory=RlVllmConfig,
+        description="vLLM generation (train.rl.generation: vllm): colocated or a server of its own, and the "
+        "importance-sampling correction.",
     )
     log_completions: int = Field(
         4, ge=0, description="Sample completions with their rewards kept per logged step (0: none)."

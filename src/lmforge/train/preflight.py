@@ -63,6 +63,7 @@ def check_machine_requirements(cfg: LmforgeConfig) -> None:
     require_sink_packages(cfg.monitor)  # a selected logger whose extra is not installed
     require_eval_generation_packages(cfg.monitor)  # BERTScore without the bertscore extra
     if stage_spec(cfg.train.stage).online_rl:
+        require_vllm_server(cfg.train.rl)  # server mode outside `lmforge launch`, which starts the server
         uses_vllm(cfg.train.rl)  # generation: vllm without CUDA + the vllm package
         missing = reward_model_problems(cfg)  # a kind: model reward whose directory is not there
         if missing:
@@ -72,6 +73,7 @@ def check_machine_requirements(cfg: LmforgeConfig) -> None:
 
 
 TEACHER_KEY = "train.distill.teacher"
+VLLM_SERVER_ENV = "LMFORGE_VLLM_SERVER"  # the URL of the server `lmforge launch` started
 
 
 def teacher_directory(settings: DistillConfig) -> Path:
@@ -158,6 +160,18 @@ def require_eval_generation_packages(monitor: MonitorConfig) -> None:
     settings = monitor.eval_generations
     if monitor.enabled and settings is not None and settings.metrics:
         require_bertscore(settings.bertscore_model)
+
+
+def require_vllm_server(rl: RlConfig) -> None:
+    """Server mode generates with the vLLM server `lmforge launch` starts beside the workers (it
+    sets VLLM_SERVER_ENV in their environment); `lmforge train` alone would wait minutes for a
+    server nobody started, then fail inside TRL."""
+    if rl.generation == "vllm" and rl.vllm.mode == "server" and not os.environ.get(VLLM_SERVER_ENV):
+        raise UserInputError(
+            "train.rl.vllm.mode: server generates with a vLLM server that `lmforge launch` starts on GPUs of "
+            "its own; run `lmforge launch CONFIG --nproc-per-node N` (N training processes, the server on the "
+            "next train.rl.vllm.server_gpus GPUs), or use mode colocate with `lmforge train`"
+        )
 
 
 def uses_vllm(rl: RlConfig) -> bool:

@@ -43,7 +43,7 @@ def rl_config_values(train: TrainConfig, rewards: RewardSet, *, use_vllm: bool) 
         # A micro-batch holds completions; evaluation needs whole groups of them.
         "per_device_eval_batch_size": train.micro_batch_size * train.grad_accum,
         "use_vllm": use_vllm,
-        "vllm_mode": "colocate",
+        **_vllm_values(rl),
         # Only the reference model is loaded by TRL (from <run>/reference/, reference_model_path):
         # in the dtype it was saved in.
         "model_init_kwargs": {"dtype": "auto"},
@@ -54,12 +54,39 @@ def rl_config_values(train: TrainConfig, rewards: RewardSet, *, use_vllm: bool) 
     return values
 
 
+def _vllm_values(rl: RlConfig) -> dict[str, Any]:
+    """TRL's vLLM settings from train.rl.vllm (read only when vLLM generates). The server is always
+    the one `lmforge launch` started on this node, on 127.0.0.1."""
+    vllm = rl.vllm
+    values: dict[str, Any] = {
+        "vllm_mode": vllm.mode,
+        "vllm_gpu_memory_utilization": vllm.gpu_memory_utilization,
+    }
+    if vllm.mode == "server":
+        values["vllm_server_base_url"] = f"http://127.0.0.1:{vllm.server_port}"
+    return values
+
+
+def _importance_sampling_values(rl: RlConfig) -> dict[str, Any]:
+    """GRPO's correction of the train / rollout mismatch under vLLM (RLOOTrainer has none)."""
+    vllm = rl.vllm
+    values: dict[str, Any] = {
+        "vllm_importance_sampling_correction": vllm.importance_sampling != "off",
+        "vllm_importance_sampling_clip_max": vllm.importance_sampling_max,
+        "vllm_importance_sampling_clip_min": vllm.importance_sampling_min,
+    }
+    if vllm.importance_sampling != "off":
+        values["vllm_importance_sampling_mode"] = vllm.importance_sampling
+    return values
+
+
 def _grpo_loss_values(rl: RlConfig) -> dict[str, Any]:
     """GRPO's loss variants: train.rl.loss, GSPO being GRPO's loss over sequence-level ratios."""
     return {
         "loss_type": "grpo" if rl.loss == "gspo" else rl.loss,
         "importance_sampling_level": "sequence" if rl.loss == "gspo" else "token",
         "scale_rewards": rl.scale_rewards,
+        **_importance_sampling_values(rl),
     }
 
 
@@ -102,6 +129,9 @@ RESOLVED_SETTINGS = (
     "vllm_mode",
     "vllm_importance_sampling_correction",
     "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max",
+    "vllm_importance_sampling_clip_min",
+    "vllm_server_base_url",
     "max_tool_calling_iterations",
 )
 
