@@ -100,7 +100,10 @@ def changes_since_last_launch(
     before, after = flatten(recorded.as_dict()), flatten(dump_config(cfg))
     maths: list[Change] = []
     harmless: list[Change] = []
-    for key in sorted(set(before) | set(after)):
+    # The keys the run's config.yaml is written with: dump_config leaves out settings that do not
+    # apply to the run (GRPO's loss variant under RLOO, vLLM's under transformers generation), which
+    # the recorded side, read back through the schema, holds at their defaults.
+    for key in sorted(after):
         if key.startswith(IGNORED_KEYS) or before.get(key) == after.get(key):
             continue
         if key == "train.precision" and before.get(key) == "auto":
