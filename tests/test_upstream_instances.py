@@ -20,6 +20,7 @@ from lmforge import upstream
 
 SYNTAX_ONLY = {
     "trl.trainer.grpo_trainer:GRPOTrainer._logs",
+    "trl.trainer.grpo_trainer:GRPOTrainer._metrics",  # rl check's tool episodes (tests/test_rl_tools.py)
     *(
         f"trl.trainer.{module}:{cls}.{name}"
         for module, cls in (("grpo_trainer", "GRPOTrainer"), ("rloo_trainer", "RLOOTrainer"))
@@ -92,6 +93,7 @@ BUILDERS: dict[str, Callable[[], Any]] = {
     "torch.nn:Module._hf_hook": _hooked_module,
     "optuna.trial._trial:Trial._trial_id": _trial,
     "transformers.tokenization_utils_base:PreTrainedTokenizerBase.chat_template": upstream.bare_fast_tokenizer,
+    "transformers.tokenization_utils_base:PreTrainedTokenizerBase.response_template": upstream.bare_fast_tokenizer,
 }
 SET_IN = [e for e in upstream.REGISTRY if e.set_in is not None and e.instance is None]
 
