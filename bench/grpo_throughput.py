@@ -231,7 +231,7 @@ def run_lmforge(
                 "lr": opts.lr,
                 "schedule": "constant",
                 "precision": opts.precision,
-                "log_every": 1,
+                "log_every": opts.log_every,
                 "save_every": None,
                 "resume": "never",
             },
@@ -272,7 +272,7 @@ def run_trl(
         activation_checkpointing=False,  # TRL defaults to on; lmforge's default is off
         gradient_checkpointing=False,
         logging_strategy="steps",
-        logging_steps=1,
+        logging_steps=opts.log_every,
         logging_first_step=True,
         logging_nan_inf_filter=False,
         include_num_input_tokens_seen="no",
@@ -360,6 +360,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 5 steps, 1 repeat, no warm-up run")
     parser.add_argument("--tools", action="store_true", help="multi-turn episodes with the calculator tool")
+    parser.add_argument(
+        "--log-every",
+        type=int,
+        default=1,
+        help="log cadence of both sides (lmforge's log_every, TRL's logging_steps); tokens/s needs 1",
+    )
     opts = parser.parse_args()
     if opts.quick:
         opts.steps, opts.warmup, opts.warmup_steps, opts.repeats = 5, 2, 0, 1
