@@ -10,9 +10,11 @@ import yaml
 from safetensors.torch import load_file
 
 from lmforge.ckpt.atomic import check_checkpoint
-from lmforge.config.schema import TokenizerTrainConfig
+from lmforge.config.schema import ExportConfig, TokenizerTrainConfig
 from lmforge.data.tokenizer import train_tokenizer
+from lmforge.errors import ExportVerificationFailed
 from lmforge.export.inspect import inspect_checkpoint
+from lmforge.export.run_export import run_export
 from tests.conftest import ROOT, run_cli, save_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -77,6 +79,21 @@ def test_full_run_exports_every_format_and_each_passes_verification(tmp_path: Pa
     onnx = inspect_checkpoint(run_dir / "export" / "onnx")
     assert onnx["format"] == "onnx" and onnx["inputs"] == ["input_ids", "attention_mask"]
     assert onnx["outputs"] == ["logits"] and set(onnx["dtypes"]) >= {"FLOAT"}
+
+    # A gate the export misses: int8 ONNX held to full agreement of next-token predictions. The
+    # export is verified before it takes its place, so it is removed (no half-written directory),
+    # its numbers kept in export.json, and the run's export fails (exit 1 through the CLI).
+    strict = ExportConfig(formats=["onnx"], onnx_dtype="int8", gates={"min_top1_agreement": 1.0})
+    with pytest.raises(ExportVerificationFailed, match="top-1 agreement"):
+        run_export(strict, run_dir / "final", run_dir / "export")
+    assert not (run_dir / "export" / "onnx").exists()
+    assert not list((run_dir / "export").glob("*.partial"))
+    rejected = json.loads((run_dir / "export" / "export.json").read_text())["artifacts"]["onnx"]
+    assert rejected["dir"] is None and rejected["dtype"] == "int8"
+    verdict = rejected["verification"]
+    assert verdict["precision"] == "8-bit" and verdict["tolerances"]["min_top1_agreement"] == 1.0
+    assert 0.5 < verdict["parity"]["top1_agreement"] < 1.0
+    assert verdict["tolerances"]["max_ppl_increase"] == 0.03  # the 8-bit default where no gate was set
 
 
 def test_lora_run_is_merged_then_exported_and_verified_against_the_adapter(

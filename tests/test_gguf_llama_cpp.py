@@ -135,3 +135,53 @@ def test_llama_cpp_tokenizer_matches_hf(sources: dict[str, Path], tmp_path: Path
         assert pieces.removeprefix(" " if name == "llama-spm" else "") == tokenizer.decode(expected), text
     assert llm.metadata["tokenizer.chat_template"] == tokenizer.chat_template
     assert llm.token_eos() == tokenizer.eos_token_id
+
+
+def test_k_quants_of_a_trained_model_pass_their_gates_and_a_missed_gate_removes_the_export(
+    tmp_path: Path,
+) -> None:
+    """An SFT run exports q4_k_m through llama.cpp's quantizer, verified in llama.cpp on the run's
+    QA rows against the trained model (perplexity, top-1, task accuracy); then q2_k held to a top-1
+    agreement it cannot reach is removed, its numbers in export.json."""
+    import json
+
+    import yaml
+
+    from lmforge.config.schema import ExportConfig, TokenizerTrainConfig
+    from lmforge.data.tokenizer import train_tokenizer
+    from lmforge.errors import ExportVerificationFailed
+    from lmforge.export.run_export import run_export
+    from tests.conftest import ROOT, run_cli, save_tiny_llama
+
+    alpaca = ROOT / "examples" / "data" / "arithmetic_alpaca.jsonl"
+    tokenizer = train_tokenizer(alpaca.read_text().splitlines() * 2, TokenizerTrainConfig(vocab_size=400))
+    base = save_tiny_llama(tokenizer, tmp_path / "base")
+    config = {
+        "run": {"name": "kq", "output_dir": str(tmp_path / "runs"), "seed": 0},
+        "model": {"path": str(base)},
+        "data": {"train": [{"path": str(alpaca)}], "eval": [{"path": str(alpaca)}], "max_length": 128},
+        "train": {"stage": "sft", "max_steps": 30, "micro_batch_size": 8, "lr": 3e-3, "precision": "fp32"},
+        "export": {"formats": ["gguf"], "gguf_dtype": "q4_k_m"},
+    }
+    path = tmp_path / "kq.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = run_cli("train", str(path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "runs" / "kq"
+    artifact = json.loads((run / "export" / "export.json").read_text())["artifacts"]["gguf"]
+    verdict = artifact["verification"]
+    assert verdict["passed"], verdict["failures"]
+    # Rows of 64 (SMALL_ARCH) are no multiple of the k-quant block (256): llama.cpp falls back to
+    # q5_0 for those tensors, so the file is judged as 5-6 bit.
+    assert verdict["runtime"] == "llama.cpp" and verdict["precision"] in ("5-6 bit", "4-bit or less")
+    parity = verdict["parity"]
+    assert parity["data"] == str(alpaca)  # the run's eval file, not built-in texts
+    assert parity["accuracy"]["questions"] == 32 and parity["ppl_increase"] < 0.15
+    assert "accuracy" in result.stdout and verdict["precision"] in result.stdout
+
+    strict = ExportConfig(formats=["gguf"], gguf_dtype="q2_k", gates={"min_top1_agreement": 0.999})
+    with pytest.raises(ExportVerificationFailed, match="top-1 agreement"):
+        run_export(strict, run / "final", run / "export", held_out=alpaca)
+    assert not (run / "export" / "gguf").exists() and not list((run / "export").glob("*.partial"))
+    rejected = json.loads((run / "export" / "export.json").read_text())["artifacts"]["gguf"]
+    assert rejected["dir"] is None and rejected["verification"]["parity"]["top1_agreement"] < 0.999

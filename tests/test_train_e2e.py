@@ -289,11 +289,20 @@ def test_quickstart_runs_offline_and_says_where_everything_is(tmp_path: Path) ->
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, with_adapter(ids).logits, atol=1e-4, rtol=1e-4)
-    # The export stage: GGUF and ONNX, each verified in its own runtime against the adapter on its base.
-    for fmt, runtime in (("gguf", "transformers (GGUF reader)"), ("onnx", "onnxruntime")):
+    # The export stage: f16 GGUF and int8 ONNX, each verified in its own runtime against the adapter
+    # on its base, on the held-out questions, by its precision's gates.
+    for fmt, runtime, precision in (
+        ("gguf", "transformers (GGUF reader)", "f16/bf16"),
+        ("onnx", "onnxruntime", "8-bit"),
+    ):
         verdict = summary["results"]["export"][fmt]["verification"]
         assert verdict["passed"], (fmt, verdict["failures"])
         assert verdict["runtime"] in (runtime, "llama.cpp")  # llama.cpp when llama-cpp-python is installed
+        assert verdict["precision"] == precision
+        accuracy = verdict["parity"]["accuracy"]
+        assert accuracy["questions"] == 32 and accuracy["reference"] >= 0.6  # the fine-tuned model learned
+        assert accuracy["drop"] <= verdict["tolerances"]["max_accuracy_drop"]
+        assert verdict["parity"]["ppl_increase"] <= verdict["tolerances"]["max_ppl_increase"]
         assert f"export {fmt}" in result.stdout
     assert "FAIL" not in result.stdout
     # --rl: GRPO of the merged SFT model, reward and accuracy before and after.

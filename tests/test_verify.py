@@ -65,7 +65,7 @@ def test_bf16_copy_is_judged_at_half_precision(model_dir: Path, tmp_path: Path) 
     verdict = verify(copy, against=model_dir)
     assert verdict.passed, verdict.failures
     assert verdict.precision == "f16/bf16"
-    assert verdict.tolerances["max_ppl_rel_diff"] == 1e-2
+    assert verdict.tolerances["max_ppl_increase"] == 1e-2
     assert verdict.parity["logits_max_abs_diff"] > 0
     # The same numbers fail the fp32 limits: the tolerance really is what decides.
     strict = verify(copy, against=model_dir, tolerances={"max_logit_diff": 1e-6})
@@ -117,6 +117,10 @@ def test_verify_on_a_data_file_of_qa_rows(model_dir: Path, tmp_path: Path) -> No
     verdict = verify(copy_model(model_dir, tmp_path / "copy"), against=model_dir, data=data, prompts=2)
     assert verdict.passed
     assert verdict.parity["sequences"] == 2 and len(verdict.parity["greedy"]) == 2
+    # QA rows add the task-accuracy gate: the same model answers the same.
+    accuracy = verdict.parity["accuracy"]
+    assert accuracy["questions"] == 2 and accuracy["drop"] == 0.0
+    assert accuracy["artifact"] == accuracy["reference"]
 
 
 def test_convert_refuses_to_write_over_its_source(model_dir: Path) -> None:

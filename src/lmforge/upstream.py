@@ -36,6 +36,7 @@ class Coupling:
     parameters: tuple[str, ...] | None = None  # the upstream callable's parameter names, as tested
     set_in: str | None = None  # instance attribute: module:qualname of the function that sets it
     instance: str | None = None  # instance attribute: module:qualname of a no-argument factory that has it
+    extra: str | None = None  # the upstream package comes with this lmforge extra: checked where installed
 
 
 _TRAINER = "transformers.trainer:Trainer"
@@ -307,6 +308,12 @@ REGISTRY: tuple[Coupling, ...] = (
              "_prepare_inputs counts their tokens once from the prompt and completion masks it returns (TRL's "
              "own addition to num_input_tokens_seen is undone)",
              ("self", "generation_batch")),
+    *(
+        Coupling(f"llama_cpp.llama_cpp:llama_model_quantize_params.{name}", "attribute", "export/gguf_quantize.py",
+                 "GGUF k-quants: the quantizer's parameters, from llama.cpp's defaults with the file type chosen "
+                 "(--dtype) and a thread per core", extra="gguf")
+        for name in ("ftype", "nthread")
+    ),
     Coupling(f"{_TOKENIZER}.response_template", "attribute", "train/tools.py",
              "tool rollouts: the parser of the model's tool calls (TRL's template for the catalogue's tool "
              "templates), which TRL's GRPOTrainer reads through tokenizer.parse_response",
@@ -468,6 +475,11 @@ def coupling_problem(entry: Coupling) -> str | None:
     function that sets it (`set_in`) assigns; anything else is resolved, and a callable's parameter
     names are compared."""
     name = entry.target.rsplit(".", 1)[-1]
+    if (
+        entry.extra is not None
+        and importlib.util.find_spec(entry.target.split(".", 1)[0].split(":")[0]) is None
+    ):
+        return None  # an extra this machine does not have: nothing of lmforge's touches it here
     try:
         if entry.instance is not None:
             built = resolve(entry.instance)()

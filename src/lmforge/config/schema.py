@@ -1191,6 +1191,35 @@ class MonitorConfig(Section):
     )
 
 
+GgufDtype = Literal[
+    "f32", "f16", "bf16", "q8_0", "q6_k", "q5_k_m", "q5_k_s", "q5_0", "q5_1",
+    "q4_k_m", "q4_k_s", "q4_0", "q4_1", "q3_k_l", "q3_k_m", "q3_k_s", "q2_k",
+]  # fmt: skip
+
+
+class ExportGates(Section):
+    """What an export must keep of the trained model's behaviour, on the verify data. Unset: the
+    precision's default (f32 / 16-bit / 8-bit / 5-6 bit / 4-bit: perplexity +0.01% / 1% / 3% / 5% /
+    15%, top-1 agreement 99% / 95% / 90% / 85% / 75%, accuracy drop 1 / 2 / 3 / 5 / 8 points)."""
+
+    max_ppl_increase: float | None = Field(
+        None, ge=0, description="Largest relative perplexity increase (0.05: 5% above the trained model's)."
+    )
+    max_accuracy_drop: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Largest drop in greedy task accuracy (0.02: two points), on QA verify data only.",
+    )
+    min_top1_agreement: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Smallest share of positions where the export and the trained model predict the same "
+        "next token.",
+    )
+
+
 class ExportConfig(Section):
     merge_lora: bool = Field(
         False,
@@ -1201,8 +1230,17 @@ class ExportConfig(Section):
         description="After training, convert final/ into export/<format>/ (an adapter run is merged first, "
         "streaming, into export/merged/).",
     )
-    gguf_dtype: Literal["f32", "f16", "bf16", "q8_0"] = Field("f16", description="GGUF weight type.")
-    onnx_dtype: Literal["f32", "f16"] = Field("f32", description="ONNX weight type.")
+    gguf_dtype: GgufDtype = Field(
+        "f16",
+        description="GGUF weight type: f32 / f16 / bf16 / q8_0 written by lmforge; the k-quants (q6_k, q5_k_m, "
+        "q4_k_m, ...) and q4_0-q5_1 are the f16 file requantized by llama.cpp's quantizer (needs "
+        "llama-cpp-python: pip install 'lmforge[gguf]').",
+    )
+    onnx_dtype: Literal["f32", "f16", "int8"] = Field(
+        "f32",
+        description="ONNX weight type; int8: onnxruntime's dynamic quantization of the MatMul weights (per "
+        "output channel), for onnxruntime on CPU.",
+    )
     safetensors_dtype: Literal["f32", "f16", "bf16"] | None = Field(
         None, description="safetensors export dtype (default: as trained)."
     )
@@ -1212,7 +1250,14 @@ class ExportConfig(Section):
         "for adapter runs) and fail the run when logits, perplexity or greedy generations disagree.",
     )
     verify_data: str | None = Field(
-        None, description="Texts or QA rows (jsonl/.txt) to verify on (default: built-in texts)."
+        None,
+        description="Texts or QA rows (jsonl/.txt) to verify on (default: the run's first eval file, else "
+        "built-in texts). QA rows add the task-accuracy gate.",
+    )
+    gates: ExportGates = Field(
+        default_factory=lambda: ExportGates(),
+        description="Limits an export must meet against the trained model, or it is removed and the run "
+        "fails (exit 1); each unset limit takes the default of the export's precision.",
     )
 
 

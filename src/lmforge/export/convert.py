@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from lmforge.ckpt.atomic import check_out_path, commit_checkpoint, require_writable
@@ -27,8 +28,10 @@ def convert(
     dtype: str | None = None,
     max_shard_size: str = "5GB",
     allow_bin: bool = False,
+    accept: Callable[[Path], None] | None = None,
 ) -> Conversion:
-    """Convert the model at `source` to format `to` under directory `out`."""
+    """Convert the model at `source` to format `to` under directory `out`. `accept` sees the
+    finished conversion before it takes `out`'s place; if it raises, nothing is left behind."""
     if not source.exists():
         raise UserInputError(f"{source}: no such file or directory")
     if to not in FORMATS:
@@ -44,6 +47,8 @@ def convert(
         result = _convert(source, to, staging, dtype, max_shard_size, allow_bin)
         record = {"source": str(source.resolve()), "format": to, "dtype": dtype, "details": result.details}
         (staging / EXPORT_RECORD).write_text(json.dumps(record, indent=2, default=str))
+        if accept is not None:
+            accept(staging)
         commit_checkpoint(staging, out, step=0, durable=False)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,52 +42,83 @@ class ExportOutcome:
         """One line per artifact: where it is and, when verified, the verdict and its key numbers."""
         lines = []
         for fmt, artifact in self.artifacts.items():
-            line = f"export {fmt:12} {artifact['dir']}"
+            line = f"export {fmt:12} {artifact['dir'] or '(removed: failed its gates)'}"
             verdict = artifact.get("verification")
             if verdict and verdict["parity"] and "skipped" not in verdict["parity"]:
                 parity = verdict["parity"]
                 line += (
-                    f"  [{verdict['runtime']}] {'PASS' if verdict['passed'] else 'FAIL'}: top-1 "
-                    f"{parity['top1_agreement']:.1%}, ppl {parity['ppl_artifact']:.4g} vs "
-                    f"{parity['ppl_reference']:.4g}, greedy {parity['greedy_prefix']:.0%}"
+                    f"  [{verdict['runtime']}, {verdict['precision']}] {'PASS' if verdict['passed'] else 'FAIL'}: "
+                    f"ppl {parity['ppl_artifact']:.4g} vs {parity['ppl_reference']:.4g} "
+                    f"({parity['ppl_increase']:+.1%}), top-1 {parity['top1_agreement']:.1%}"
                 )
+                if "accuracy" in parity:
+                    accuracy = parity["accuracy"]
+                    line += f", accuracy {accuracy['artifact']:.0%} vs {accuracy['reference']:.0%}"
             lines.append(line)
         return lines
 
 
-def run_export(cfg: ExportConfig, final: Path, export_dir: Path) -> ExportOutcome:
-    """Convert (and verify) final/ into export_dir/<format>/ for each configured format.
+def run_export(
+    cfg: ExportConfig, final: Path, export_dir: Path, *, held_out: Path | None = None
+) -> ExportOutcome:
+    """Convert (and verify) final/ into export_dir/<format>/ for each configured format, on
+    `cfg.verify_data`, else the run's `held_out` file, else built-in texts.
 
-    Raises ExportVerificationFailed, after writing export.json, when any verification fails."""
-    from lmforge.export.verify import verify
-
+    Each conversion is verified before it takes its place: one that misses a gate is removed, its
+    numbers kept in export.json. Raises ExportVerificationFailed, after writing export.json, when
+    any verification fails."""
     adapter = final / "adapter"
     is_adapter_run = (adapter / "adapter_config.json").is_file()
     source = _full_model(final, adapter, export_dir) if is_adapter_run else final
     reference = adapter if is_adapter_run else final
     dtypes = {"gguf": cfg.gguf_dtype, "onnx": cfg.onnx_dtype, "safetensors": cfg.safetensors_dtype}
+    data = Path(cfg.verify_data) if cfg.verify_data else held_out
     outcome = ExportOutcome(export_dir)
     for fmt in cfg.formats:
-        conversion = convert(source, fmt, export_dir / fmt, dtype=dtypes[fmt])
-        record: dict[str, Any] = {
-            "dir": str(conversion.out),
-            "files": [str(f) for f in conversion.files],
-            "dtype": dtypes[fmt],
-            "details": conversion.details,
-        }
-        if cfg.verify:
-            data = Path(cfg.verify_data) if cfg.verify_data else None
-            verdict = verify(conversion.out, against=reference, data=data)
-            record["verification"] = verdict.to_json()
-            log.info("export %s: verification %s", fmt, "passed" if verdict.passed else "FAILED")
+        out = export_dir / fmt
+        record: dict[str, Any] = {"dir": str(out), "dtype": dtypes[fmt]}
+        check = _Gate(cfg, reference, data, out) if cfg.verify else None
+        try:
+            conversion = convert(source, fmt, out, dtype=dtypes[fmt], accept=check)
+        except _Rejected:
+            shutil.rmtree(out, ignore_errors=True)  # an earlier export of this run is no longer its export
+            record["dir"] = None
+        else:
+            record |= {"files": [str(f) for f in conversion.files], "details": conversion.details}
+        if check is not None and check.verdict is not None:
+            record["verification"] = check.verdict
+            log.info("export %s: verification %s", fmt, "passed" if check.verdict["passed"] else "FAILED")
         outcome.artifacts[fmt] = record
     summary = {"source": str(source), "reference": str(reference), "artifacts": outcome.artifacts}
     (export_dir / SUMMARY_NAME).write_text(json.dumps(summary, indent=2, default=str))
     if outcome.failures:
         raise ExportVerificationFailed(
-            f"export verification failed ({export_dir / SUMMARY_NAME}): " + "; ".join(outcome.failures)
+            f"export verification failed, the failing exports removed ({export_dir / SUMMARY_NAME}): "
+            + "; ".join(outcome.failures)
         )
     return outcome
+
+
+class _Rejected(Exception):
+    """A conversion that missed a gate (its verdict is on the _Gate)."""
+
+
+class _Gate:
+    """convert()'s `accept`: verify the finished conversion against the trained model before it
+    takes its place, refusing it when a gate or parity check fails."""
+
+    def __init__(self, cfg: ExportConfig, reference: Path, data: Path | None, out: Path) -> None:
+        self.reference, self.data, self.out = reference, data, out
+        self.limits = {k: v for k, v in cfg.gates.model_dump().items() if v is not None}
+        self.verdict: dict[str, Any] | None = None
+
+    def __call__(self, staging: Path) -> None:
+        from lmforge.export.verify import verify
+
+        verdict = verify(staging, against=self.reference, data=self.data, tolerances=self.limits)
+        self.verdict = verdict.to_json() | {"path": str(self.out)}
+        if not verdict.passed:
+            raise _Rejected(staging)
 
 
 def _full_model(final: Path, adapter: Path, export_dir: Path) -> Path:

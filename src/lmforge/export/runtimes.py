@@ -22,8 +22,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 RUNTIMES = ("auto", "transformers", "onnxruntime", "llama.cpp")
-# Coarse precision classes, each with its own default tolerances in verify.
-FULL, HALF, INT8 = "f32", "f16/bf16", "q8_0"
+# Coarse precision classes, each with its own default gates and tolerances in verify, coarsest last.
+FULL, HALF, INT8, BITS6, BITS4 = "f32", "f16/bf16", "8-bit", "5-6 bit", "4-bit or less"
+PRECISIONS = (FULL, HALF, INT8, BITS6, BITS4)
 
 
 class CausalRuntime(Protocol):
@@ -134,13 +135,32 @@ def _require(runtime: str, allowed: tuple[str, ...], path: Path, why: str) -> No
 
 
 def gguf_precision(path: Path) -> str:
-    """The coarsest precision among the GGUF's weight tensors."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    """The coarsest precision among the GGUF's weight tensors (a k-quant mix such as q4_k_m keeps
+    some tensors at 6 bits and the norms at f32: its class is its 4-bit part)."""
+    from gguf import GGUFReader
 
-    types = {tensor.tensor_type for tensor in GGUFReader(path).tensors}
-    if types - {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}:
+    return precision_of_bits(min(_gguf_bits(tensor.tensor_type) for tensor in GGUFReader(path).tensors))
+
+
+def _gguf_bits(tensor_type: object) -> int:
+    """Bits per weight of a GGML type, by its name (F32, F16, BF16, Q8_0, Q6_K, Q5_K, Q4_0, IQ4_XS...)."""
+    name = getattr(tensor_type, "name", str(tensor_type))
+    if name == "F32":
+        return 32
+    if name in ("F16", "BF16"):
+        return 16
+    digits = "".join(ch for ch in name.split("_")[0] if ch.isdigit())
+    return int(digits) if digits else 4
+
+
+def precision_of_bits(bits: int) -> str:
+    if bits >= 32:
+        return FULL
+    if bits >= 16:
+        return HALF
+    if bits >= 8:
         return INT8
-    return HALF if types & {GGMLQuantizationType.F16, GGMLQuantizationType.BF16} else FULL
+    return BITS6 if bits >= 5 else BITS4
 
 
 def onnx_precision(path: Path) -> str:
@@ -148,6 +168,8 @@ def onnx_precision(path: Path) -> str:
 
     model = onnx.load(str(path), load_external_data=False)
     types = {init.data_type for init in model.graph.initializer}
+    if types & {onnx.TensorProto.INT8, onnx.TensorProto.UINT8}:
+        return INT8  # onnxruntime's dynamic quantization: int8 weights, one scale per tensor or row
     return HALF if types & {onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16} else FULL
 
 
@@ -161,8 +183,7 @@ def _hf_precision(path: Path) -> str:
 
 
 def coarsest(*precisions: str) -> str:
-    order = [FULL, HALF, INT8]
-    return max(precisions, key=order.index)
+    return max(precisions, key=PRECISIONS.index)
 
 
 def token_logprob_mean(logits: np.ndarray, token_ids: list[int]) -> float:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from lmforge.errors import UserInputError
 from lmforge.export.conversion import Conversion
 from lmforge.export.gguf_encoding import PlannedTensor, QType, encode_blocks, one_thread, storage_type
 from lmforge.export.gguf_modelfile import render_modelfile
+from lmforge.export.gguf_quantize import QUANT_TYPES, quantize, require_quantizer
 from lmforge.export.gguf_tokenizer import add_tokenizer, load_tokenizer
 from lmforge.export.safetensors_stream import INDEX_NAME, SafetensorsReader
 
@@ -65,9 +67,17 @@ _SKIP_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def convert_to_gguf(source: Path, out: Path, *, dtype: str) -> Conversion:
-    """Write `<out>/model-<dtype>.gguf` and `<out>/Modelfile` from the HF model directory `source`."""
-    if dtype not in GGUF_DTYPES:
-        raise UserInputError(f"--dtype {dtype!r}: for gguf choose one of {', '.join(GGUF_DTYPES)}")
+    """Write `<out>/model-<dtype>.gguf` and `<out>/Modelfile` from the HF model directory `source`.
+    f32 / f16 / bf16 / q8_0 are written here; the other llama.cpp types (q4_k_m, q6_k, ...) are the
+    f16 file requantized by llama.cpp (gguf_quantize.py), the f16 file removed after."""
+    if dtype not in GGUF_DTYPES and dtype not in QUANT_TYPES:
+        raise UserInputError(
+            f"--dtype {dtype!r}: for gguf choose one of {', '.join([*GGUF_DTYPES, *QUANT_TYPES])}"
+        )
+    requantized = dtype in QUANT_TYPES
+    if requantized:
+        require_quantizer(dtype)
+    written = "f16" if requantized else dtype
     config = _read_config(source)
     family = FAMILIES[config["model_type"]]
     shards = _weight_files(source)
@@ -75,20 +85,22 @@ def convert_to_gguf(source: Path, out: Path, *, dtype: str) -> Conversion:
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"model-{dtype}.gguf"
-    partial = path.with_name(path.name + ".partial")
+    plain = out / f"model-{written}.gguf"  # the file lmforge writes (requantized: llama.cpp's input)
+    partial = plain.with_name(plain.name + ".partial")
+    plan = _plan_tensors(shards, config, family, GGUF_DTYPES[written][0])
+    _require_space(out, sum(t.nbytes for t in plan) * (2 if requantized else 1))
     writer = gguf.GGUFWriter(partial, gguf.MODEL_ARCH_NAMES[family.arch])
     details: dict[str, Any] = {
         "architecture": writer.arch,
         "dtype": dtype,
         "source_model_type": config["model_type"],
     }
-    _add_hyperparameters(writer, config, source, dtype)
+    _add_hyperparameters(writer, config, source, written)
     rope_freqs = _add_rope_scaling(writer, config)
     details |= add_tokenizer(writer, tokenizer, config)
     modelfile_text = render_modelfile(path.name, tokenizer)
     del tokenizer  # its vocabulary need not stay resident while the weights stream
 
-    plan = _plan_tensors(shards, config, family, GGUF_DTYPES[dtype][0])
     if rope_freqs is not None:
         name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
         plan.append(PlannedTensor(name, QType.F32, computed=rope_freqs))
@@ -100,13 +112,17 @@ def convert_to_gguf(source: Path, out: Path, *, dtype: str) -> Conversion:
         partial.unlink(missing_ok=True)
         raise
     writer.close()
-    os.replace(partial, path)
+    os.replace(partial, plain)
+    if requantized:
+        quantize(plain, path, dtype)
+        plain.unlink()
+        details["quantizer"] = "llama.cpp llama_model_quantize (llama-cpp-python)"
 
     modelfile = out / "Modelfile"
     modelfile.write_text(modelfile_text)
     counts: dict[str, int] = {}
-    for tensor in plan:
-        counts[tensor.qtype.name] = counts.get(tensor.qtype.name, 0) + 1
+    for tensor in gguf.GGUFReader(path).tensors:
+        counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
     details |= {"tensors": len(plan), "tensor_types": counts, "bytes": path.stat().st_size}
     window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
     if window and window < config["max_position_embeddings"]:
@@ -115,6 +131,16 @@ def convert_to_gguf(source: Path, out: Path, *, dtype: str) -> Conversion:
             "outputs match the source only for sequences up to the window"
         )
     return Conversion(format="gguf", out=out, files=[path, modelfile], details=details)
+
+
+def _require_space(out: Path, needed: int) -> None:
+    """UserInputError, before anything is written, when the disk holding `out` lacks `needed` bytes."""
+    free = shutil.disk_usage(out).free
+    if needed > free:
+        raise UserInputError(
+            f"{out}: the GGUF needs about {needed / 2**20:,.0f} MiB and the disk has {free / 2**20:,.0f} MiB "
+            "free; free space there or pass another --out"
+        )
 
 
 def _write_streaming(writer: gguf.GGUFWriter, plan: list[PlannedTensor]) -> None:

@@ -35,14 +35,19 @@ log = logging.getLogger(__name__)
 ONNX_NAME = "model.onnx"
 # Protobuf cannot hold more than 2 GiB, so larger models keep their weights in model.onnx.data.
 EXTERNAL_DATA_THRESHOLD = 2 * 10**9
-ONNX_DTYPES = {"f32": torch.float32, "f16": torch.float16}
+# The graph's weight dtype per --dtype; int8 is the f32 graph with its MatMul weights quantized by
+# onnxruntime's dynamic quantization (int8 weights with one scale per output channel, activations
+# quantized on the fly), the int8 graph onnxruntime's CPU kernels run.
+ONNX_DTYPES = {"f32": torch.float32, "f16": torch.float16, "int8": torch.float32}
 # Largest |onnxruntime - torch| logit difference allowed, relative to the largest |logit| of the
 # torch model (the convention `ckpt verify` uses). f32: both sides compute the same graph in
 # f32 and differ only in reduction order (measured ~3e-7 on tiny models), so 1e-4 leaves room
 # for depth while a wrong mask or position would be O(1). f16: one rounding is ~5e-4 relative
 # and it compounds over the layers; 5e-2 is about a hundred roundings and half of verify's
 # f16 limit, so an export that passes here has room left at verify.
-TOLERANCE = {"f32": 1e-4, "f16": 5e-2}
+# int8: a sanity bound (a wrong graph is off by the whole scale); what the quantization costs is
+# judged by verify's gates, on perplexity, top-1 agreement and task accuracy.
+TOLERANCE = {"f32": 1e-4, "f16": 5e-2, "int8": 0.5}
 _EXPORT_SHAPE = (2, 8)  # batch and sequence of the tracing example (both stay symbolic)
 _CHECK_SHAPE = (2, 16)
 _CHECK_PADDING = 5  # left-padded positions in the second row of the parity batch
@@ -58,7 +63,7 @@ def convert_to_onnx(
     import onnx
 
     if dtype not in ONNX_DTYPES:
-        raise UserInputError(f"--dtype {dtype!r}: an ONNX export is f32 or f16; choose one of those")
+        raise UserInputError(f"--dtype {dtype!r}: an ONNX export is f32, f16 or int8; choose one of those")
     model = load_source(source)
     ids, mask = _parity_batch(model)
     with torch.no_grad():
@@ -77,8 +82,11 @@ def convert_to_onnx(
             f"({_root_cause(err)}). ONNX export is tested for llama, qwen2 and mistral decoders; keep this "
             "model as safetensors (`--to safetensors`) or serve it from its HF directory"
         ) from None
-    program.save(str(path), external_data=external)
+    float_path = path.with_name("model.float.onnx") if dtype == "int8" else path
+    program.save(str(float_path), external_data=external)
     del model
+    if dtype == "int8":
+        _quantize_int8(float_path, path, external=external)
     try:  # the path form reads external data and works above 2 GiB
         onnx.checker.check_model(str(path), full_check=True)
     except onnx.checker.ValidationError as err:
@@ -109,6 +117,23 @@ def convert_to_onnx(
             "checked_on": f"batch {_CHECK_SHAPE[0]} x {_CHECK_SHAPE[1]} tokens, {_CHECK_PADDING} left-padded",
         },
     )
+
+
+def _quantize_int8(float_path: Path, path: Path, *, external: bool) -> None:
+    """onnxruntime's dynamic int8 quantization of the graph's MatMul weights, per output channel;
+    the float graph is removed after."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(
+        float_path,
+        path,
+        weight_type=QuantType.QInt8,
+        per_channel=True,
+        op_types_to_quantize=["MatMul"],
+        use_external_data_format=external,
+    )
+    for leftover in (float_path, float_path.with_name(float_path.name + ".data")):
+        leftover.unlink(missing_ok=True)
 
 
 def check_parity(

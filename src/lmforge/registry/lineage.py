@@ -270,8 +270,12 @@ def _exports(run: RunSummary) -> dict[str, Any]:
             "passed": verdict.get("passed"),
             "runtime": verdict.get("runtime"),
             "failures": verdict.get("failures", []),
+            "precision": verdict.get("precision"),
             "top1_agreement": parity.get("top1_agreement"),
             "ppl_rel_diff": parity.get("ppl_rel_diff"),
+            "ppl_increase": parity.get("ppl_increase"),
+            "accuracy": (parity.get("accuracy") or {}).get("artifact"),
+            "accuracy_drop": (parity.get("accuracy") or {}).get("drop"),
             "greedy_prefix": parity.get("greedy_prefix"),
             "files": {name: entry.get("sha256") for name, entry in sealed.items()},
         }

@@ -154,15 +154,26 @@ def _exports(lineage: dict[str, Any]) -> str:
         verdict = "not verified" if not entry.get("verified") else ("PASS" if entry.get("passed") else "FAIL")
         rows.append(
             (
-                fmt,
+                f"{fmt} ({entry.get('dtype') or 'as trained'})",
                 verdict,
                 entry.get("runtime") or "-",
+                _signed_percent(entry.get("ppl_increase")),
                 _percent(entry.get("top1_agreement")),
-                _number(entry.get("ppl_rel_diff")),
+                _percent(entry.get("accuracy")),
+                _signed_percent(entry.get("accuracy_drop")),
                 "; ".join(entry.get("failures") or []) or "-",
             )
         )
-    headers = ("format", "verdict", "runtime", "top-1 agreement", "ppl rel. diff", "failures")
+    headers = (
+        "format",
+        "verdict",
+        "runtime",
+        "perplexity increase",
+        "top-1 agreement",
+        "accuracy",
+        "accuracy drop",
+        "failures",
+    )
     return "## Exports\n\nEach export was run in its own runtime against the trained model.\n\n" + _table(
         headers, rows
     )
@@ -211,6 +222,10 @@ def _number(value: Any) -> str:
 
 def _percent(value: Any) -> str:
     return f"{value:.1%}" if isinstance(value, int | float) else "-"
+
+
+def _signed_percent(value: Any) -> str:
+    return f"{value:+.1%}" if isinstance(value, int | float) else "-"
 
 
 def _duration(seconds: Any) -> str:

@@ -274,24 +274,30 @@ def export_section(export: dict[str, Any] | None) -> str:
     for fmt, artifact in (export.get("artifacts") or {}).items():
         check = artifact.get("verification") or {}
         parity = check.get("parity") or {}
+        accuracy = parity.get("accuracy") or {}
         rows.append(
             [
                 fmt,
                 artifact.get("dtype", ""),
+                check.get("precision", ""),
                 verdict(check.get("passed") if check else None),
                 check.get("runtime", ""),
                 (check.get("integrity") or {}).get("status", ""),
-                parity.get("top1_agreement"),
-                parity.get("logits_max_abs_diff"),
                 parity.get("ppl_artifact"),
                 parity.get("ppl_reference"),
+                parity.get("ppl_increase"),
+                parity.get("top1_agreement"),
+                accuracy.get("artifact"),
+                accuracy.get("reference"),
+                parity.get("logits_max_abs_diff"),
                 parity.get("greedy_prefix"),
                 "; ".join(check.get("failures") or []) or parity.get("skipped", ""),
-                artifact.get("dir", ""),
+                artifact.get("dir") or "removed (failed its gates)",
             ]
         )
-    headers = ["format", "dtype", "verdict", "runtime", "integrity", "top-1 agreement", "max |logit diff|"]
-    headers += ["ppl artifact", "ppl reference", "greedy prefix", "failures / notes", "directory"]
+    headers = ["format", "dtype", "precision", "verdict", "runtime", "integrity", "ppl export", "ppl trained"]
+    headers += ["ppl increase", "top-1 agreement", "accuracy export", "accuracy trained", "max |logit diff|"]
+    headers += ["greedy prefix", "failures / notes", "directory"]
     return f"<p>reference: {esc(export.get('reference', '?'))}</p>" + table(headers, rows, css="export")
 
 

@@ -25,6 +25,7 @@ from lmforge.config.schema import (
 from lmforge.config.stages import stage_spec
 from lmforge.errors import UserInputError
 from lmforge.evaluate.quality import require_bertscore
+from lmforge.export.gguf_quantize import QUANT_TYPES, require_quantizer
 from lmforge.monitor.sinks import require_sink_packages
 from lmforge.upstream import ALLOW_UNTESTED_ENV, check_upstream_versions, untested_versions
 
@@ -70,6 +71,11 @@ def check_machine_requirements(cfg: LmforgeConfig) -> None:
             raise UserInputError("\n".join(f"{key}: {message}" for key, message in missing))
     if stage_spec(cfg.train.stage).teacher:
         teacher_directory(cfg.train.distill)  # a teacher directory that is not there
+    if "gguf" in cfg.export.formats and cfg.export.gguf_dtype in QUANT_TYPES:
+        try:
+            require_quantizer(cfg.export.gguf_dtype)  # a k-quant without llama.cpp to make it
+        except UserInputError as err:
+            raise UserInputError(f"export.gguf_dtype: {err}") from None
 
 
 TEACHER_KEY = "train.distill.teacher"

@@ -276,7 +276,7 @@ def _already_finished(
     outcome.already_finished = True
     summary = paths.export / EXPORT_SUMMARY
     if cfg.export.formats and is_main and not summary.is_file():
-        outcome.export = run_export(cfg.export, paths.final, paths.export)
+        outcome.export = run_export(cfg.export, paths.final, paths.export, held_out=held_out_file(cfg))
     elif cfg.export.formats and summary.is_file():  # the exports of the finished run, as they were
         outcome.export = ExportOutcome(paths.export, read_json_object(summary).get("artifacts", {}))
     return outcome
@@ -329,10 +329,20 @@ def _train_and_export(
         clear_partial_writes(paths)  # a finished run keeps no empty checkpoints/.staging
     export = None
     if cfg.export.formats and trainer.is_world_process_zero():
-        export = run_export(cfg.export, paths.final, paths.export)
+        export = run_export(cfg.export, paths.final, paths.export, held_out=held_out_file(cfg))
     if trainer.is_world_process_zero():
         guard.events.emit("finished", step, f"finished after {step} steps")
     return export
+
+
+def held_out_file(cfg: LmforgeConfig) -> Path | None:
+    """The run's first eval source when it is a local .jsonl or .txt file: what its exports are
+    verified on (export.verify_data overrides it)."""
+    for source in cfg.data.eval:
+        path = Path(source.path)
+        if source.dataset is None and path.suffix in (".jsonl", ".txt") and path.is_file():
+            return path
+    return None
 
 
 def _metrics_summary(trainer: Trainer) -> dict[str, float]:
