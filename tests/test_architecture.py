@@ -22,6 +22,7 @@ RANKS = {
     "sweep": 9,
     "train": 8,
     "registry": 8,
+    "serve": 8,
     "report": 7,
     "export": 6,
     "evaluate": 5,

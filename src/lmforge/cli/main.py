@@ -28,6 +28,7 @@ from lmforge.cli.monitor import monitor_app
 from lmforge.cli.push import push, registry_app
 from lmforge.cli.report import report, runs_app
 from lmforge.cli.rl import rl_app
+from lmforge.cli.serve import serve
 from lmforge.cli.sweep import sweep
 from lmforge.cli.train import prepare, train
 from lmforge.config import dump_config, load_config
@@ -63,6 +64,7 @@ app.command("prepare")(prepare)
 app.command("launch")(launch)
 app.command("eval")(eval_command)
 app.command("generate")(generate)
+app.command("serve")(serve)
 app.command("estimate")(estimate)
 app.command("report")(report)
 app.add_typer(runs_app, name="runs")
