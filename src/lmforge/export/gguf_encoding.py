@@ -36,13 +36,24 @@ class PlannedTensor:
     entry: Entry | None = None
     permute_heads: int = 0  # >0: apply the rope row permutation with this many heads
     computed: np.ndarray | None = None  # a tensor made here (rope_freqs), not read from the source
+    # A stack of source tensors along a new first axis (an MoE layer's experts), in order.
+    parts: tuple[tuple[Path, Entry], ...] = ()
 
     @property
     def shape(self) -> tuple[int, ...]:
         if self.computed is not None:
             return tuple(self.computed.shape)
+        if self.parts:
+            return (len(self.parts), *self.parts[0][1].shape)
         assert self.entry is not None
         return self.entry.shape
+
+    def pieces(self) -> list[tuple[Path, PlannedTensor]]:
+        """What to read, in the GGUF's order: the tensor itself, or each stacked part on its own."""
+        if not self.parts:
+            assert self.source is not None
+            return [(self.source, self)]
+        return [(source, PlannedTensor(self.name, self.qtype, source, entry)) for source, entry in self.parts]
 
     @property
     def nbytes(self) -> int:
@@ -52,8 +63,9 @@ class PlannedTensor:
 
 
 def storage_type(shape: tuple[int, ...], weight_type: QType) -> QType:
-    """Norms, biases (1-D) stay f32, as llama.cpp keeps them; q8_0 needs rows in whole 32-blocks."""
-    if len(shape) != 2:
+    """Norms, biases (1-D) stay f32, as llama.cpp keeps them; q8_0 needs rows in whole 32-blocks.
+    Matrices (2-D) and stacked experts (3-D) take `weight_type`."""
+    if len(shape) < 2:
         return QType.F32
     block, _ = gguf.GGML_QUANT_SIZES[weight_type]
     return weight_type if shape[-1] % block == 0 else QType.F16

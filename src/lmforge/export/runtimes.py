@@ -124,9 +124,20 @@ def _open_gguf(path: Path, runtime: str) -> Artifact:
     has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
     if runtime == "llama.cpp" or (runtime == "auto" and has_llama_cpp):
         return Artifact(path, "gguf", "llama.cpp", precision, gguf_runtime.LlamaCppModel(path))
+    if _has_experts(path):
+        raise UserInputError(
+            f"{path}: a Mixture-of-Experts GGUF runs in llama.cpp; transformers' GGUF reader does not load its "
+            "stacked experts. Fix: pip install 'lmforge[gguf]' (llama-cpp-python) and verify again"
+        )
     return Artifact(
         path, "gguf", "transformers (GGUF reader)", precision, gguf_runtime.TransformersGgufModel(path)
     )
+
+
+def _has_experts(path: Path) -> bool:
+    from gguf import GGUFReader
+
+    return any(name.endswith(".expert_count") for name in GGUFReader(path).fields)
 
 
 def _require(runtime: str, allowed: tuple[str, ...], path: Path, why: str) -> None:

@@ -19,9 +19,11 @@ each tensor's bytes by gguf_encoding.py.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
+import re
 import shutil
 import sys
 from collections.abc import Iterable
@@ -39,7 +41,7 @@ from lmforge.export.gguf_encoding import PlannedTensor, QType, encode_blocks, on
 from lmforge.export.gguf_modelfile import render_modelfile
 from lmforge.export.gguf_quantize import QUANT_TYPES, quantize, require_quantizer
 from lmforge.export.gguf_tokenizer import add_tokenizer, load_tokenizer
-from lmforge.export.safetensors_stream import INDEX_NAME, SafetensorsReader
+from lmforge.export.safetensors_stream import INDEX_NAME, Entry, SafetensorsReader
 
 # --dtype -> (type of 2-D weights, general.file_type)
 GGUF_DTYPES: dict[str, tuple[QType, gguf.LlamaFileType]] = {
@@ -61,7 +63,15 @@ FAMILIES: dict[str, Family] = {
     "llama": Family(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
     "mistral": Family(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
     "qwen2": Family(gguf.MODEL_ARCH.QWEN2, permute_qk=False),
+    # Mixture-of-Experts: each layer's experts stacked into one 3-D tensor per projection
+    # (ffn_gate_exps / ffn_up_exps / ffn_down_exps), the router as ffn_gate_inp. Mixtral is
+    # llama.cpp's llama graph with experts.
+    "mixtral": Family(gguf.MODEL_ARCH.LLAMA, permute_qk=True),
+    "qwen2_moe": Family(gguf.MODEL_ARCH.QWEN2MOE, permute_qk=False),
+    "qwen3_moe": Family(gguf.MODEL_ARCH.QWEN3MOE, permute_qk=False),
 }
+# checkpoint name of one expert's projection -> (the merged name llama.cpp's map knows, expert index)
+_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<proj>\w+)\.weight$")
 # Buffers some checkpoints carry that are not weights.
 _SKIP_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -167,9 +177,10 @@ def _write_streaming(writer: gguf.GGUFWriter, plan: list[PlannedTensor]) -> None
             if tensor.computed is not None:
                 blocks: Iterable[np.ndarray] = [tensor.computed]
             else:
-                assert tensor.source is not None
-                reader = readers.setdefault(tensor.source, SafetensorsReader(tensor.source))
-                blocks = encode_blocks(reader, tensor)
+                blocks = itertools.chain.from_iterable(
+                    encode_blocks(readers.setdefault(source, SafetensorsReader(source)), part)
+                    for source, part in tensor.pieces()
+                )
             for block in blocks:
                 out.write((block.byteswap() if byteswap else block).data)
             writer.write_padding(out, tensor.nbytes)
@@ -192,7 +203,31 @@ def _read_config(source: Path) -> dict[str, Any]:
         raise UserInputError(
             f"{config_path}: model_type {model_type!r} has no GGUF export here; supported: {supported}."
         )
+    _check_moe_routing(config, config_path)
     return config
+
+
+def _check_moe_routing(config: dict[str, Any], config_path: Path) -> None:
+    """Refuse, before any work, an MoE whose routing llama.cpp's graph for its family does not
+    compute: it hard-codes whether the top-k weights are renormalized (qwen3moe: yes, qwen2moe:
+    no) and puts experts in every layer."""
+    model_type = config["model_type"]
+    if model_type not in ("qwen2_moe", "qwen3_moe"):
+        return
+    renormalized = model_type == "qwen3_moe"
+    if bool(config.get("norm_topk_prob", False)) != renormalized:
+        raise UserInputError(
+            f"{config_path}: norm_topk_prob is {bool(config.get('norm_topk_prob', False))}, and llama.cpp's "
+            f"{model_type.replace('_', '')} graph {'always' if renormalized else 'never'} renormalizes the chosen "
+            "experts' weights: the GGUF would route differently from this model. Export it as safetensors or "
+            "ONNX instead"
+        )
+    if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+        raise UserInputError(
+            f"{config_path}: dense layers among the expert layers (decoder_sparse_step / mlp_only_layers); "
+            f"llama.cpp's {model_type.replace('_', '')} graph puts experts in every layer. Export it as "
+            "safetensors or ONNX instead"
+        )
 
 
 def _weight_files(source: Path) -> list[Path]:
@@ -243,6 +278,14 @@ def _add_hyperparameters(writer: gguf.GGUFWriter, config: dict[str, Any], source
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(float(_rope_parameters(config)["rope_theta"]))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:
+        writer.add_expert_count(int(experts))
+        writer.add_expert_used_count(int(config["num_experts_per_tok"]))
+        if "moe_intermediate_size" in config:  # Qwen MoE: expert width apart from the dense one
+            writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(int(config["shared_expert_intermediate_size"]))
 
 
 def _add_rope_scaling(writer: gguf.GGUFWriter, config: dict[str, Any]) -> np.ndarray | None:
@@ -290,18 +333,21 @@ def _plan_tensors(
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     plan: list[PlannedTensor] = []
+    experts: dict[str, list[tuple[int, Path, Entry]]] = {}  # merged name -> each expert's part
     for shard in shards:
         with SafetensorsReader(shard) as reader:
             entries = reader.entries
         for entry in entries:
             if entry.name.endswith(_SKIP_SUFFIXES) or (tied and entry.name == "lm_head.weight"):
                 continue
-            name = names.get_name(entry.name, try_suffixes=(".weight", ".bias"))
-            if name is None:
-                raise UserInputError(
-                    f"{shard}: tensor {entry.name!r} has no llama.cpp name for architecture "
-                    f"{gguf.MODEL_ARCH_NAMES[family.arch]!r}; is this a plain {config['model_type']} checkpoint?"
-                )
+            expert = _EXPERT.match(entry.name)
+            if expert is not None:
+                merged = f"{expert['prefix']}.{expert['proj']}.weight"
+                if merged not in experts:
+                    plan.append(PlannedTensor(merged, QType.F32))  # its place; filled in below
+                experts.setdefault(merged, []).append((int(expert["index"]), shard, entry))
+                continue
+            name = _gguf_name(names, entry.name, shard, family, config)
             permute = 0
             if family.permute_qk and ".attn_q." in name:
                 permute = heads
@@ -309,4 +355,42 @@ def _plan_tensors(
                 permute = kv_heads
             qtype = storage_type(entry.shape, weight_type)
             plan.append(PlannedTensor(name, qtype, shard, entry, permute))
-    return plan
+    return [
+        _stacked(t, experts[t.name], names, family, config, weight_type) if t.name in experts else t
+        for t in plan
+    ]
+
+
+def _gguf_name(
+    names: gguf.TensorNameMap, checkpoint_name: str, shard: Path, family: Family, config: dict[str, Any]
+) -> str:
+    name = names.get_name(checkpoint_name, try_suffixes=(".weight", ".bias"))
+    if name is None:
+        raise UserInputError(
+            f"{shard}: tensor {checkpoint_name!r} has no llama.cpp name for architecture "
+            f"{gguf.MODEL_ARCH_NAMES[family.arch]!r}; is this a plain {config['model_type']} checkpoint?"
+        )
+    return name
+
+
+def _stacked(
+    placeholder: PlannedTensor,
+    parts: list[tuple[int, Path, Entry]],
+    names: gguf.TensorNameMap,
+    family: Family,
+    config: dict[str, Any],
+    weight_type: QType,
+) -> PlannedTensor:
+    """One layer's experts of one projection as the 3-D tensor llama.cpp reads, experts in order."""
+    parts.sort(key=lambda part: part[0])
+    count = config.get("num_local_experts") or config.get("num_experts")
+    if [index for index, _, _ in parts] != list(range(int(count or 0))):
+        raise UserInputError(
+            f"{placeholder.name}: experts {[index for index, _, _ in parts]} in the checkpoint, and config.json "
+            f"says {count}; the checkpoint is incomplete"
+        )
+    name = _gguf_name(names, placeholder.name, parts[0][1], family, config)
+    shape = (len(parts), *parts[0][2].shape)
+    return PlannedTensor(
+        name, storage_type(shape, weight_type), parts=tuple((shard, entry) for _, shard, entry in parts)
+    )

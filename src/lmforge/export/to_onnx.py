@@ -171,10 +171,25 @@ def load_source(source: Path) -> PreTrainedModel:
             "first with `lmforge ckpt convert --to safetensors` (or merge an adapter with merge-lora)"
         )
     model = AutoModelForCausalLM.from_pretrained(
-        str(source), dtype=torch.float32, attn_implementation="sdpa", use_safetensors=True
+        str(source),
+        dtype=torch.float32,
+        attn_implementation="sdpa",
+        use_safetensors=True,
+        **_experts_kwargs(source),
     )
     model.config.use_cache = False
     return model.eval()
+
+
+def _experts_kwargs(source: Path) -> dict[str, Any]:
+    """A Mixture-of-Experts model is traced with transformers' `batched_mm` experts (each token's
+    chosen experts as one batched matmul, fixed shapes): the default `grouped_mm` sorts tokens by
+    expert into data-dependent groups, an op the ONNX exporter has no translation for."""
+    from transformers import AutoConfig
+
+    from lmforge.models.moe import is_moe
+
+    return {"experts_implementation": "batched_mm"} if is_moe(AutoConfig.from_pretrained(source)) else {}
 
 
 class _LogitsOnly(torch.nn.Module):

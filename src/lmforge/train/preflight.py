@@ -71,11 +71,28 @@ def check_machine_requirements(cfg: LmforgeConfig) -> None:
             raise UserInputError("\n".join(f"{key}: {message}" for key, message in missing))
     if stage_spec(cfg.train.stage).teacher:
         teacher_directory(cfg.train.distill)  # a teacher directory that is not there
-    if "gguf" in cfg.export.formats and cfg.export.gguf_dtype in QUANT_TYPES:
+    if "gguf" in cfg.export.formats:
+        check_gguf_export_runs_here(cfg)
+
+
+def check_gguf_export_runs_here(cfg: LmforgeConfig) -> None:
+    """A GGUF export this machine could not finish: a k-quant without llama.cpp to make it, or an
+    MoE GGUF to verify without llama.cpp to run it."""
+    if cfg.export.gguf_dtype in QUANT_TYPES:
         try:
-            require_quantizer(cfg.export.gguf_dtype)  # a k-quant without llama.cpp to make it
+            require_quantizer(cfg.export.gguf_dtype)
         except UserInputError as err:
             raise UserInputError(f"export.gguf_dtype: {err}") from None
+    if cfg.export.verify and importlib.util.find_spec("llama_cpp") is None:
+        from lmforge.models.build import architecture_config
+        from lmforge.models.moe import is_moe
+
+        if is_moe(architecture_config(cfg.model)):
+            raise UserInputError(
+                "export.formats: gguf of a Mixture-of-Experts model is verified in llama.cpp (transformers' GGUF "
+                "reader does not load stacked experts), and llama-cpp-python is not installed. Fix: pip install "
+                "'lmforge[gguf]', or set export.verify: false"
+            )
 
 
 TEACHER_KEY = "train.distill.teacher"
