@@ -77,3 +77,20 @@ def test_verify_gates_given_on_the_command_line_decide(model_dir: Path, tmp_path
     assert "top-1 agreement" in strict.stdout and "needs >= 1.01" in strict.stdout
     if increase > 0:
         assert "perplexity increase" in strict.stdout and "needs <= 0" in strict.stdout
+
+
+def test_a_gguf_larger_than_the_free_disk_is_refused_before_writing(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk is the one thing faked here: a filesystem with 10 kB free."""
+    import shutil
+
+    from lmforge.errors import UserInputError
+    from lmforge.export import to_gguf
+    from lmforge.export.convert import convert
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(to_gguf.shutil, "disk_usage", lambda path: real(path)._replace(free=10_000))
+    with pytest.raises(UserInputError, match=r"the GGUF needs about \d+ MiB and the disk has 0 MiB free"):
+        convert(model_dir, "gguf", tmp_path / "out", dtype="f32")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out*"))

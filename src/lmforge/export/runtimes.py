@@ -197,10 +197,11 @@ def coarsest(*precisions: str) -> str:
     return max(precisions, key=PRECISIONS.index)
 
 
-def token_logprob_mean(logits: np.ndarray, token_ids: list[int]) -> float:
-    """Mean next-token negative log-likelihood of `token_ids` under per-position `logits`."""
-    shifted = logits[:-1].astype(np.float64)
+def token_logprob_mean(logits: np.ndarray, token_ids: list[int], start: int = 1) -> float:
+    """Mean next-token negative log-likelihood of `token_ids[start:]` under per-position `logits`
+    (start > 1: only a sequence's tail, an answer after its prompt, is scored)."""
+    shifted = logits[start - 1 : -1].astype(np.float64)
     shifted -= shifted.max(axis=-1, keepdims=True)
     log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-    targets = np.asarray(token_ids[1:])
+    targets = np.asarray(token_ids[start:])
     return float(-log_probs[np.arange(len(targets)), targets].mean())

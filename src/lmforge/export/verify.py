@@ -174,15 +174,18 @@ def recorded_source(path: Path) -> Path | None:
 
 def held_out(
     tokenizer: Any, data: Path | None, max_tokens: int, max_rows: int
-) -> tuple[list[list[int]], list[dict[str, Any]]]:
-    """Token ids to compare on, and the questions to answer when `data` holds QA rows.
+) -> tuple[list[tuple[list[int], int]], list[dict[str, Any]]]:
+    """Token ids to compare on, each with the position its scored tokens start at, and the
+    questions to answer when `data` holds QA rows.
 
-    Texts: the data file's texts (QA rows chat-rendered with their answers) or built-in texts,
-    cut to `max_tokens`. Questions: each QA row's chat prompt ids and its expected answer."""
+    Texts: the data file's texts or built-in texts, every token scored; QA rows: chat-rendered with
+    their answers, the answer's tokens scored. Cut to `max_tokens`. Questions: each QA row's chat
+    prompt ids and its expected answer."""
     from lmforge.evaluate.generation import chat_messages, render_prompt
     from lmforge.evaluate.rows import data_kind, read_qa_rows, read_texts
 
     questions: list[dict[str, Any]] = []
+    prompts: list[str] = []
     if data is None:
         texts = list(DEFAULT_TEXTS)
     elif data_kind(data) == "text":
@@ -196,10 +199,17 @@ def held_out(
             answer_tokens = len(tokenizer(row["answer"], add_special_tokens=False)["input_ids"])
             questions.append({"prompt_ids": ids, "answer": row["answer"], "new_tokens": answer_tokens + 8})
     sequences = [tokenizer(text, add_special_tokens=True)["input_ids"][:max_tokens] for text in texts]
-    sequences = [ids for ids in sequences if len(ids) >= 4]
-    if not sequences:
+    if questions:  # perplexity of the answers, what the model was trained to write, not of the prompts
+        scored = [
+            (ids, min(len(tokenizer(prompt, add_special_tokens=True)["input_ids"]), len(ids) - 1))
+            for ids, prompt in zip(sequences, prompts, strict=True)
+        ]
+    else:
+        scored = [(ids, 1) for ids in sequences]
+    scored = [(ids, start) for ids, start in scored if len(ids) >= 4]
+    if not scored:
         raise UserInputError(f"{data}: no text of at least 4 tokens to compare on")
-    return sequences, questions
+    return scored, questions
 
 
 def task_accuracy(
@@ -234,13 +244,19 @@ def task_accuracy(
 
 
 def compare(
-    artifact: Artifact, reference: Artifact, sequences: list[list[int]], *, prompts: int, new_tokens: int
+    artifact: Artifact,
+    reference: Artifact,
+    scored: list[tuple[list[int], int]],
+    *,
+    prompts: int,
+    new_tokens: int,
 ) -> dict[str, Any]:
     """Logit, perplexity and greedy-generation agreement of artifact vs reference."""
     max_diff = scale = 0.0
     agree = positions = 0
     nll_artifact, nll_reference = [], []
-    for ids in tqdm(sequences, desc="verify logits", unit="seq"):
+    sequences = [ids for ids, _ in scored]
+    for ids, start in tqdm(scored, desc="verify logits", unit="seq"):
         ours, ref = artifact.runtime.logits(ids), reference.runtime.logits(ids)
         if ours.shape != ref.shape:
             raise UserInputError(
@@ -251,8 +267,8 @@ def compare(
         scale = max(scale, float(np.abs(ref).max()))
         agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
         positions += len(ids)
-        nll_artifact.append(token_logprob_mean(ours, ids))
-        nll_reference.append(token_logprob_mean(ref, ids))
+        nll_artifact.append(token_logprob_mean(ours, ids, start))
+        nll_reference.append(token_logprob_mean(ref, ids, start))
     ppl_artifact, ppl_reference = float(np.exp(np.mean(nll_artifact))), float(np.exp(np.mean(nll_reference)))
     generations: list[dict[str, Any]] = []
     for ids in tqdm(sequences[:prompts], desc="verify greedy", unit="prompt"):
@@ -269,6 +285,7 @@ def compare(
         )
     return {
         "sequences": len(sequences),
+        "ppl_of": "every token" if all(start == 1 for _, start in scored) else "the answers' tokens",
         "positions": positions,
         "logits_max_abs_diff": max_diff,
         "logits_scale": scale,
