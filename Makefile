@@ -24,7 +24,7 @@ demo: install
 	$(VENV)/bin/lmforge quickstart --out runs/quickstart
 
 test: install
-	$(PY) -m pytest -q -m "not gpu and not integration" --durations=20
+	$(PY) -m pytest -q -m "not gpu and not integration" --durations=40
 
 test-fast: install
 	$(PY) -m pytest -q -m "not gpu and not slow and not integration"
