@@ -283,7 +283,9 @@ def test_cli_convert_and_unsupported_model(
     assert failed.returncode == 2
     message = failed.stdout + failed.stderr
     assert str(gpt2 / "config.json") in message.replace("\n", "")
-    assert "model_type 'gpt2'" in message and "llama, mistral, qwen2" in message
+    assert (
+        "model_type 'gpt2'" in message and "llama, mistral, mixtral, qwen2, qwen2_moe, qwen3_moe" in message
+    )
 
 
 def test_llama3_rope_scaling_becomes_rope_freqs(bpe_tokenizer, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
