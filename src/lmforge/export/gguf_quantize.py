@@ -56,15 +56,15 @@ def require_quantizer(dtype: str) -> None:
         )
 
 
-def quantize(source: Path, target: Path, dtype: str, *, log_path: Path | None = None) -> None:
+def quantize(source: Path, target: Path, dtype: str) -> None:
     """Requantize the GGUF `source` (f16/bf16/f32) into `target` as `dtype`, on every core.
-    llama.cpp's per-tensor lines go to `log_path` (or this module's log), not the console."""
+    llama.cpp's per-tensor lines go to this module's log (debug), not the console."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{QUANT_TYPES[dtype]}")
     params.nthread = os.cpu_count() or 1
-    with _native_output(log_path) as captured:
+    with _native_output() as captured:
         status = llama_cpp.llama_model_quantize(
             str(source).encode(), str(target).encode(), ctypes.byref(params)
         )
@@ -78,14 +78,12 @@ def quantize(source: Path, target: Path, dtype: str, *, log_path: Path | None = 
 
 
 @contextlib.contextmanager
-def _native_output(log_path: Path | None) -> Iterator[Callable[[], str]]:
+def _native_output() -> Iterator[Callable[[], str]]:
     """Redirect the process's stdout and stderr file descriptors (C code writes there, past Python's
-    sys.stdout) into a file for the duration; yields a function returning what was written."""
+    sys.stdout) into a temporary file for the duration; yields a function returning what was written."""
     sys.stdout.flush()
     sys.stderr.flush()
-    sink = (
-        log_path.open("a+b") if log_path is not None else tempfile.TemporaryFile()  # noqa: SIM115 (closed below)
-    )
+    sink = tempfile.TemporaryFile()  # noqa: SIM115 (closed below)
     start = sink.seek(0, os.SEEK_END)
     saved = [os.dup(1), os.dup(2)]
     try:

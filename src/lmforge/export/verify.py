@@ -61,8 +61,6 @@ class Tolerances:
     min_greedy_prefix: float | None = None
 
 
-GATES = ("max_ppl_increase", "max_accuracy_drop", "min_top1_agreement")  # export.gates' keys
-
 DEFAULT_TOLERANCES = {
     # fp32 on both sides: only the order of floating-point operations differs.
     FULL: Tolerances(

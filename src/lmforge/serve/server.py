@@ -70,12 +70,17 @@ def resolve_target(path: Path) -> ServeTarget:
 
 def _model_name(gguf: Path) -> str:
     """The GGUF's general.name (what lmforge's export writes), else its file name."""
+    return _gguf_string(gguf, "general.name") or gguf.stem
+
+
+def _gguf_string(gguf: Path, key: str) -> str | None:
+    """A string field of the GGUF's metadata, or None."""
     from gguf import GGUFReader
 
-    field = GGUFReader(gguf).fields.get("general.name")
-    if field is not None and field.data:
-        return str(bytes(field.parts[field.data[0]]), "utf-8")
-    return gguf.stem
+    field = GGUFReader(gguf).fields.get(key)
+    if field is None or not field.data:
+        return None
+    return str(bytes(field.parts[field.data[0]]), "utf-8")
 
 
 def check_host(host: str) -> None:
@@ -163,11 +168,5 @@ def run_app(app: Any, host: str, port: int) -> None:
 
 
 def _architecture(gguf: Path) -> str:
-    from gguf import GGUFReader
-
-    field = GGUFReader(gguf).fields.get("general.architecture")
-    return (
-        f"architecture {str(bytes(field.parts[field.data[0]]), 'utf-8')}"
-        if field is not None
-        else "no architecture"
-    )
+    architecture = _gguf_string(gguf, "general.architecture")
+    return f"architecture {architecture}" if architecture else "no architecture"
