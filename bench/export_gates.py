@@ -2,7 +2,7 @@
 (llama.cpp's `llama_model_quantize` through llama-cpp-python, export/gguf_quantize.py) against
 llama.cpp's own `llama-quantize` tool on the same f16 GGUF, each in a fresh child process, sides
 alternating; (2) the gates' numbers (perplexity increase, top-1 agreement, task accuracy) of every
-export precision of one model against the model itself, on a data file, through `ckpt verify`.
+export precision (GGUF types, ONNX f32 / int8, compressed-tensors fp8 / w8a16 / w4a16) of one model against the model itself, on a data file, through `ckpt verify`.
 
     # (1) needs the tool: build it from llama-cpp-python's sdist (vendor/llama.cpp):
     #     cmake -S vendor/llama.cpp -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-quantize
@@ -153,6 +153,7 @@ def bench_quantize(opts: argparse.Namespace) -> None:
 
 
 def bench_gates(opts: argparse.Namespace) -> None:
+    from lmforge.errors import UserInputError
     from lmforge.export.convert import convert
     from lmforge.export.verify import verify
 
@@ -161,10 +162,21 @@ def bench_gates(opts: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         formats = [("gguf", dtype) for dtype in GGUF_TYPES] + [("onnx", "f32"), ("onnx", "int8")]
+        formats += [
+            ("compressed-tensors", "fp8"),
+            ("compressed-tensors", "w8a16"),
+            ("compressed-tensors", "w4a16"),
+        ]
         for fmt, dtype in formats:
+            if opts.only and fmt != opts.only:
+                continue
             target = out / f"{fmt}-{dtype}"
             start = time.perf_counter()
-            convert(model, fmt, target, dtype=dtype)
+            try:
+                convert(model, fmt, target, dtype=dtype)
+            except UserInputError as refused:  # a scheme that does not fit this model's sizes
+                print(f"| {fmt} {dtype} | refused: {refused} |", flush=True)
+                continue
             seconds = time.perf_counter() - start
             verdict = verify(target, against=model, data=data)
             parity = verdict.parity
@@ -175,7 +187,9 @@ def bench_gates(opts: argparse.Namespace) -> None:
                     "precision": verdict.precision,
                     "runtime": verdict.runtime,
                     "bytes": sum(
-                        f.stat().st_size for f in target.iterdir() if f.suffix in (".gguf", ".onnx", ".data")
+                        f.stat().st_size
+                        for f in target.iterdir()
+                        if f.suffix in (".gguf", ".onnx", ".data", ".safetensors")
                     ),
                     "convert_s": round(seconds, 1),
                     "ppl_increase": parity["ppl_increase"],
@@ -224,6 +238,7 @@ def main() -> None:
     gates = commands.add_parser("gates", help="every precision's gate numbers on one model")
     gates.add_argument("--model", required=True)
     gates.add_argument("--data", required=True)
+    gates.add_argument("--only", help="one format (gguf, onnx, compressed-tensors)")
     opts = parser.parse_args()
     if opts.command != "prepare":
         loads = " ".join(f"{x:.2f}" for x in os.getloadavg())

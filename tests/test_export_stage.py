@@ -56,11 +56,20 @@ def test_full_run_exports_every_format_and_each_passes_verification(tmp_path: Pa
         base_model,
         "full",
         "full",
-        {"formats": ["safetensors", "gguf", "onnx"], "gguf_dtype": "f32", "safetensors_dtype": "bf16"},
+        {
+            "formats": ["safetensors", "gguf", "onnx", "compressed-tensors"],
+            "gguf_dtype": "f32",
+            "safetensors_dtype": "bf16",
+        },
     )
     summary = json.loads((run_dir / "export" / "export.json").read_text())
     assert summary["reference"] == str(run_dir / "final")
-    for fmt, precision in (("safetensors", "f16/bf16"), ("gguf", "f32"), ("onnx", "f32")):
+    for fmt, precision in (
+        ("safetensors", "f16/bf16"),
+        ("gguf", "f32"),
+        ("onnx", "f32"),
+        ("compressed-tensors", "8-bit"),
+    ):
         artifact = summary["artifacts"][fmt]
         verdict = artifact["verification"]
         assert verdict["passed"], (fmt, verdict["failures"])
@@ -79,6 +88,18 @@ def test_full_run_exports_every_format_and_each_passes_verification(tmp_path: Pa
     onnx = inspect_checkpoint(run_dir / "export" / "onnx")
     assert onnx["format"] == "onnx" and onnx["inputs"] == ["input_ids", "attention_mask"]
     assert onnx["outputs"] == ["logits"] and set(onnx["dtypes"]) >= {"FLOAT"}
+    # The FP8 checkpoint for vLLM: FP8 weights with their scales, lm_head kept, run (activations
+    # quantized per token) by transformers with compressed-tensors.
+    fp8 = inspect_checkpoint(run_dir / "export" / "compressed-tensors")
+    assert fp8["quantization"] == {
+        "method": "compressed-tensors",
+        "weights": ["float8 per channel"],
+        "not_quantized": ["lm_head"],
+    }
+    assert "F8_E4M3" in fp8["dtypes"] and fp8["bytes"] < gguf["bytes"] / 2
+    fp8_verdict = summary["artifacts"]["compressed-tensors"]["verification"]
+    assert fp8_verdict["runtime"] == "transformers (compressed-tensors)"
+    assert fp8_verdict["parity"]["logits_max_abs_diff"] > 0 and fp8_verdict["parity"]["top1_agreement"] >= 0.9
 
     # A gate the export misses: int8 ONNX held to full agreement of next-token predictions. The
     # export is verified before it takes its place, so it is removed (no half-written directory),

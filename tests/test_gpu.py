@@ -1,5 +1,5 @@
 """The CUDA path: packing isolation under bf16/sdpa and FlexAttention on the GPU, QLoRA over a 4-bit
-base, a preference stage under automatic bf16, and bitsandbytes' paged AdamW. Needs a CUDA device; `make test` deselects the `gpu`
+base, a preference stage under automatic bf16, bitsandbytes' paged AdamW, and models verified in vLLM. Needs a CUDA device; `make test` deselects the `gpu`
 marker (CI has no GPU), run with `python -m pytest -m gpu tests/test_gpu.py` on a GPU host."""
 
 from __future__ import annotations
@@ -156,3 +156,49 @@ def test_paged_adamw_lowers_the_loss_and_resumes_after_sigkill_on_cuda(
     )
     print(optimizer, "losses", expected)
     assert state["state"], "the checkpoint holds no optimizer state"
+
+
+@pytest.mark.parametrize("export", [None, "fp8"])
+def test_a_model_and_its_fp8_export_behave_in_vllm_like_the_model_in_transformers(
+    tmp_path: Path, export: str | None
+) -> None:
+    """The vLLM hand-off: the model (and its compressed-tensors FP8 export) loaded by vLLM answers
+    greedily like transformers and keeps perplexity, through `ckpt verify --runtime vllm`."""
+    import json
+
+    pytest.importorskip("vllm")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lmforge.config.schema import TokenizerTrainConfig
+    from lmforge.data.tokenizer import train_tokenizer
+    from tests.conftest import run_cli
+    from tests.test_export_compressed import GROUPABLE, TEXTS  # noqa: F401
+
+    trained = train_tokenizer(TEXTS * 50, TokenizerTrainConfig(vocab_size=300))
+    torch.manual_seed(0)
+    model_dir = tmp_path / "model"
+    LlamaForCausalLM(
+        LlamaConfig(vocab_size=len(trained), num_hidden_layers=2, max_position_embeddings=128, **GROUPABLE)
+    ).save_pretrained(model_dir)
+    trained.save_pretrained(model_dir)
+    artifact = model_dir
+    if export is not None:
+        artifact = tmp_path / export
+        converted = run_cli(
+            "ckpt",
+            "convert",
+            str(model_dir),
+            "--to",
+            "compressed-tensors",
+            "--dtype",
+            export,
+            "--out",
+            str(artifact),
+        )
+        assert converted.returncode == 0, converted.stderr
+    result = run_cli(
+        "ckpt", "verify", str(artifact), "--against", str(model_dir), "--runtime", "vllm", "--json"
+    )
+    verdict = json.loads(result.stdout)
+    print(export, verdict["parity"]["ppl_increase"], verdict["parity"]["top1_agreement"], verdict["failures"])
+    assert verdict["runtime"] == "vllm" and result.returncode == 0, verdict["failures"]

@@ -7,11 +7,14 @@ Torch-free at import: upstream modules are imported only inside the checks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
 import inspect
+import io
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Literal
@@ -570,6 +573,19 @@ def route_deepspeed_logs() -> None:
     for line in printed.getvalue().splitlines():
         if line.strip():
             logger.log(logging.WARNING if "[WARNING]" in line else logging.INFO, "%s", line)
+
+
+@contextlib.contextmanager
+def stderr_to_log(what: str) -> Iterator[None]:
+    """Everything Python writes to stderr inside the block (an upstream library's own tqdm bars, which
+    transformers' and the Hub's switches do not reach) goes to the log at DEBUG instead of the console."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            yield
+    finally:
+        if captured.getvalue().strip():
+            logging.getLogger(__name__).debug("%s: %s", what, captured.getvalue().strip())
 
 
 def quiet_progress_bars(quiet: bool = True) -> None:

@@ -1,4 +1,4 @@
-"""`lmforge ckpt convert`: format conversion (safetensors re-shard/re-dtype, GGUF, ONNX)."""
+"""`lmforge ckpt convert`: format conversion (safetensors re-shard/re-dtype, GGUF, ONNX, compressed-tensors)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,19 @@ from lmforge.cli.console import console
 
 def command(
     path: Path = typer.Argument(..., help="An HF model directory (for --to safetensors also a .bin one)."),
-    to: str = typer.Option(..., "--to", help="Target format: safetensors, gguf or onnx."),
+    to: str = typer.Option(
+        ...,
+        "--to",
+        help="Target format: safetensors, gguf, onnx, compressed-tensors (vLLM's FP8/int formats) or "
+        "tensorrt-llm (bf16 safetensors with TensorRT-LLM's serving config and scripts).",
+    ),
     out: Path = typer.Option(..., "--out", help="Output directory."),
     dtype: str | None = typer.Option(
         None,
         "--dtype",
-        help="gguf: f32|f16|bf16|q8_0 (default f16); onnx: f32|f16 (default f32); "
-        "safetensors: f32|f16|bf16 (default: keep).",
+        help="gguf: f32|f16|bf16|q8_0, or a k-quant (q6_k, q5_k_m, q4_k_m, ...; needs llama-cpp-python) "
+        "(default f16); onnx: f32|f16|int8 (default f32); safetensors: f32|f16|bf16 (default: keep); "
+        "compressed-tensors: fp8|w8a16|w4a16 (default fp8); tensorrt-llm: bf16|f16 (default bf16).",
     ),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="safetensors: largest shard."),
     allow_bin: bool = typer.Option(
@@ -26,7 +32,8 @@ def command(
         help="safetensors: read pytorch_model*.bin (loaded with weights_only=True; only for files you trust).",
     ),
 ) -> None:
-    """Convert a model to safetensors, GGUF (with a Modelfile for Ollama) or ONNX.
+    """Convert a model to safetensors, GGUF (with a Modelfile for Ollama), ONNX, or a compressed-tensors
+    FP8 / int8 / int4 checkpoint for vLLM.
 
     Example: `lmforge ckpt convert runs/sft/final --to gguf --dtype q8_0 --out export/gguf`
     """

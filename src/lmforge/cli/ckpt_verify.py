@@ -15,7 +15,8 @@ VERIFY_FAILED = 1
 
 def command(
     path: Path = typer.Argument(
-        ..., help="The artifact: an HF model or adapter dir, a GGUF file/dir, an ONNX dir."
+        ...,
+        help="The artifact: an HF model or adapter dir, a compressed-tensors export, a GGUF file/dir, an ONNX dir.",
     ),
     against: Path | None = typer.Option(
         None, "--against", help="Reference model (default: the source recorded by lmforge's converter)."
@@ -24,7 +25,9 @@ def command(
         None, "--data", help="Texts (.txt, jsonl {text}) or QA rows to compare on (default: built-in texts)."
     ),
     runtime: str = typer.Option(
-        "auto", help="auto (the artifact's own), transformers, onnxruntime or llama.cpp."
+        "auto",
+        help="auto (the artifact's own), transformers, onnxruntime, llama.cpp, or vllm (a CUDA GPU: the model "
+        "as vLLM will serve it).",
     ),
     prompts: int = typer.Option(4, help="Greedy generations to compare."),
     new_tokens: int = typer.Option(16, help="Tokens per greedy generation."),

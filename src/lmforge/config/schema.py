@@ -1225,10 +1225,11 @@ class ExportConfig(Section):
         False,
         description="After a lora/dora run, also write the adapter merged into its base as a full HF model in final/.",
     )
-    formats: list[Literal["safetensors", "gguf", "onnx"]] = Field(
+    formats: list[Literal["safetensors", "gguf", "onnx", "compressed-tensors", "tensorrt-llm"]] = Field(
         default_factory=list,
         description="After training, convert final/ into export/<format>/ (an adapter run is merged first, "
-        "streaming, into export/merged/).",
+        "streaming, into export/merged/). compressed-tensors: an FP8 / int8 / int4 checkpoint for vLLM; "
+        "tensorrt-llm: the model in bf16 with TensorRT-LLM's serving config and scripts (a GPU hand-off).",
     )
     gguf_dtype: GgufDtype = Field(
         "f16",
@@ -1240,6 +1241,12 @@ class ExportConfig(Section):
         "f32",
         description="ONNX weight type; int8: onnxruntime's dynamic quantization of the MatMul weights (per "
         "output channel), for onnxruntime on CPU.",
+    )
+    compressed_dtype: Literal["fp8", "w8a16", "w4a16"] = Field(
+        "fp8",
+        description="compressed-tensors scheme (pip install 'lmforge[quantize]'): fp8 = FP8 weights, one scale "
+        "per channel, activations FP8 per token at run time; w8a16 / w4a16 = int8 / int4 weights in groups "
+        "of 128 inputs. Scales from each channel's or group's range (no calibration data).",
     )
     safetensors_dtype: Literal["f32", "f16", "bf16"] | None = Field(
         None, description="safetensors export dtype (default: as trained)."

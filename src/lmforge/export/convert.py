@@ -17,7 +17,7 @@ from lmforge.export.conversion import Conversion
 
 EXPORT_RECORD = "lmforge_export.json"  # {source, format, dtype, details}: lets verify find its reference
 
-FORMATS = ("safetensors", "gguf", "onnx")
+FORMATS = ("safetensors", "gguf", "onnx", "compressed-tensors", "tensorrt-llm")
 
 
 def convert(
@@ -69,6 +69,14 @@ def _convert(
         from lmforge.export.to_onnx import convert_to_onnx
 
         return convert_to_onnx(source, out, dtype=dtype or "f32")
+    if to == "compressed-tensors":
+        from lmforge.export.to_compressed import convert_to_compressed
+
+        return convert_to_compressed(source, out, dtype=dtype)
+    if to == "tensorrt-llm":
+        from lmforge.export.to_tensorrt_llm import convert_to_tensorrt_llm
+
+        return convert_to_tensorrt_llm(source, out, dtype=dtype)
     if to == "safetensors":
         from lmforge.export.to_safetensors import convert_to_safetensors
 

@@ -178,7 +178,25 @@ def _hf_model(path: Path) -> dict[str, Any]:
         "architecture": (config.get("architectures") or [None])[0],
         "model_type": config.get("model_type"),
         "tie_word_embeddings": config.get("tie_word_embeddings"),
+        **_quantization(config),
         **_tensor_summary(shards),
+    }
+
+
+def _quantization(config: dict[str, Any]) -> dict[str, Any]:
+    """A quantized checkpoint's method and, for compressed-tensors, each group's weight scheme."""
+    quantization = config.get("quantization_config")
+    if not quantization:
+        return {}
+    method = quantization.get("quant_method")
+    schemes = [
+        f"{w['type']}{w['num_bits']} per {w['strategy']}"
+        + (f" {w['group_size']}" if w.get("group_size") else "")
+        for group in (quantization.get("config_groups") or {}).values()
+        if (w := group.get("weights"))
+    ]
+    return {
+        "quantization": {"method": method, "weights": schemes, "not_quantized": quantization.get("ignore")}
     }
 
 

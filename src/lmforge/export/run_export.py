@@ -71,7 +71,13 @@ def run_export(
     is_adapter_run = (adapter / "adapter_config.json").is_file()
     source = _full_model(final, adapter, export_dir) if is_adapter_run else final
     reference = adapter if is_adapter_run else final
-    dtypes = {"gguf": cfg.gguf_dtype, "onnx": cfg.onnx_dtype, "safetensors": cfg.safetensors_dtype}
+    dtypes = {
+        "gguf": cfg.gguf_dtype,
+        "onnx": cfg.onnx_dtype,
+        "safetensors": cfg.safetensors_dtype,
+        "compressed-tensors": cfg.compressed_dtype,
+        "tensorrt-llm": None,  # bf16, what TensorRT-LLM runs
+    }
     data = Path(cfg.verify_data) if cfg.verify_data else held_out
     outcome = ExportOutcome(export_dir)
     for fmt in cfg.formats:

@@ -1,6 +1,6 @@
-"""Run a model artifact in its own runtime: transformers for HF directories and adapters,
-onnxruntime for ONNX exports, llama.cpp for GGUF files (transformers' GGUF reader when
-llama-cpp-python is not installed).
+"""Run a model artifact in its own runtime: transformers for HF directories and adapters (with
+compressed-tensors for FP8/int checkpoints), onnxruntime for ONNX exports, llama.cpp for GGUF files
+(transformers' GGUF reader when llama-cpp-python is not installed), and vLLM on request (a CUDA GPU).
 
 Every runtime answers the same two questions on token ids, so `ckpt verify` compares any
 artifact with any reference without caring what either is.
@@ -8,7 +8,9 @@ artifact with any reference without caring what either is.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -21,7 +23,7 @@ from lmforge.export.safetensors_stream import SafetensorsReader
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-RUNTIMES = ("auto", "transformers", "onnxruntime", "llama.cpp")
+RUNTIMES = ("auto", "transformers", "onnxruntime", "llama.cpp", "vllm")
 # Coarse precision classes, each with its own default gates and tolerances in verify, coarsest last.
 FULL, HALF, INT8, BITS6, BITS4 = "f32", "f16/bf16", "8-bit", "5-6 bit", "4-bit or less"
 PRECISIONS = (FULL, HALF, INT8, BITS6, BITS4)
@@ -79,10 +81,36 @@ class TransformersRuntime:
 def load_reference(path: Path) -> tuple[Artifact, PreTrainedTokenizerBase]:
     """The reference model (HF directory, adapter or a run's final/) in transformers, and its tokenizer."""
     from lmforge.evaluate.loading import load_for_inference
+    from lmforge.upstream import stderr_to_log
 
-    model, tokenizer = load_for_inference(path)
-    kind = "peft-adapter" if hasattr(model, "peft_config") else "hf"
-    return Artifact(path, kind, "transformers", _hf_precision(path), TransformersRuntime(model)), tokenizer
+    compressed = _compressed_bits(path) is not None
+    with stderr_to_log("compressed-tensors") if compressed else contextlib.nullcontext():
+        model, tokenizer = load_for_inference(path)  # compressed-tensors draws bars as it loads
+        if compressed:
+            TransformersRuntime(model).logits([0])  # its weights decompress at the first forward
+    kind = "peft-adapter" if hasattr(model, "peft_config") else _hf_format(path)
+    runtime = "transformers (compressed-tensors)" if kind == "compressed-tensors" else "transformers"
+    return Artifact(path, kind, runtime, _hf_precision(path), TransformersRuntime(model)), tokenizer
+
+
+def _hf_format(path: Path) -> str:
+    return "compressed-tensors" if _compressed_bits(path) is not None else "hf"
+
+
+def _compressed_bits(path: Path) -> int | None:
+    """The weight bits of a compressed-tensors checkpoint (llm-compressor's or lmforge's), else None."""
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        return None
+    quantization = json.loads(config_path.read_text()).get("quantization_config") or {}
+    if quantization.get("quant_method") != "compressed-tensors":
+        return None
+    bits = [
+        group["weights"]["num_bits"]
+        for group in quantization.get("config_groups", {}).values()
+        if group.get("weights")
+    ]
+    return min(bits, default=16)
 
 
 def open_artifact(path: Path, runtime: str = "auto") -> Artifact:
@@ -97,6 +125,10 @@ def open_artifact(path: Path, runtime: str = "auto") -> Artifact:
         from lmforge.export.to_onnx import OnnxCausalLM
 
         return Artifact(path, "onnx", "onnxruntime", onnx_precision(path / "model.onnx"), OnnxCausalLM(path))
+    if runtime == "vllm":
+        from lmforge.export.vllm_runtime import open_in_vllm
+
+        return Artifact(path, _hf_format(path), "vllm", _hf_precision(path), open_in_vllm(path))
     _require(runtime, ("auto", "transformers"), path, "an HF model or adapter runs in transformers")
     artifact, _ = load_reference(path)
     return artifact
@@ -185,6 +217,9 @@ def onnx_precision(path: Path) -> str:
 
 
 def _hf_precision(path: Path) -> str:
+    bits = _compressed_bits(path)
+    if bits is not None:
+        return precision_of_bits(bits)
     shards = sorted(path.glob("*.safetensors")) or sorted((path / "adapter").glob("*.safetensors"))
     dtypes: set[str] = set()
     for shard in shards:
@@ -200,8 +235,13 @@ def coarsest(*precisions: str) -> str:
 def token_logprob_mean(logits: np.ndarray, token_ids: list[int], start: int = 1) -> float:
     """Mean next-token negative log-likelihood of `token_ids[start:]` under per-position `logits`
     (start > 1: only a sequence's tail, an answer after its prompt, is scored)."""
-    shifted = logits[start - 1 : -1].astype(np.float64)
-    shifted -= shifted.max(axis=-1, keepdims=True)
-    log_probs = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    log_probs = log_softmax(logits[start - 1 : -1])
     targets = np.asarray(token_ids[start:])
     return float(-log_probs[np.arange(len(targets)), targets].mean())
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities over the last axis, in float64."""
+    shifted = logits.astype(np.float64)
+    shifted -= shifted.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))

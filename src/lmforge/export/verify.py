@@ -32,6 +32,7 @@ from lmforge.export.runtimes import (
     Artifact,
     coarsest,
     load_reference,
+    log_softmax,
     open_artifact,
     token_logprob_mean,
 )
@@ -256,6 +257,8 @@ def compare(
     sequences = [ids for ids, _ in scored]
     for ids, start in tqdm(scored, desc="verify logits", unit="seq"):
         ours, ref = artifact.runtime.logits(ids), reference.runtime.logits(ids)
+        if getattr(artifact.runtime, "normalized", False):  # vLLM reports log-probabilities
+            ref = log_softmax(ref)
         if ours.shape != ref.shape:
             raise UserInputError(
                 f"{artifact.path}: logits of shape {ours.shape} vs the reference's {ref.shape}; "

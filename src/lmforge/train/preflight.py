@@ -73,6 +73,8 @@ def check_machine_requirements(cfg: LmforgeConfig) -> None:
         teacher_directory(cfg.train.distill)  # a teacher directory that is not there
     if "gguf" in cfg.export.formats:
         check_gguf_export_runs_here(cfg)
+    if "compressed-tensors" in cfg.export.formats:
+        check_compressed_export_runs_here(cfg)
 
 
 def check_gguf_export_runs_here(cfg: LmforgeConfig) -> None:
@@ -93,6 +95,19 @@ def check_gguf_export_runs_here(cfg: LmforgeConfig) -> None:
                 "reader does not load stacked experts), and llama-cpp-python is not installed. Fix: pip install "
                 "'lmforge[gguf]', or set export.verify: false"
             )
+
+
+def check_compressed_export_runs_here(cfg: LmforgeConfig) -> None:
+    """A compressed-tensors export without the library, or of a model its scheme does not fit."""
+    from lmforge.export.to_compressed import check_scheme_fits, require_compressed_tensors
+    from lmforge.models.build import architecture_config
+
+    key = "export.compressed_dtype"
+    try:
+        require_compressed_tensors(cfg.export.compressed_dtype)
+        check_scheme_fits(architecture_config(cfg.model).to_dict(), cfg.export.compressed_dtype, "the model")
+    except UserInputError as err:
+        raise UserInputError(f"{key}: {err}") from None
 
 
 TEACHER_KEY = "train.distill.teacher"
