@@ -167,15 +167,20 @@ def bench_gates(opts: argparse.Namespace) -> None:
             ("compressed-tensors", "w8a16"),
             ("compressed-tensors", "w4a16"),
         ]
-        for fmt, dtype in formats:
+        if opts.imatrix_data:  # the k-quants again, with llama.cpp's importance matrix from that file
+            formats += [("gguf", f"{dtype}+imatrix") for dtype in ("q4_k_m", "q3_k_m", "q2_k")]
+        for fmt, label in formats:
             if opts.only and fmt != opts.only:
                 continue
-            target = out / f"{fmt}-{dtype}"
+            dtype, _, imatrix = label.partition("+")
+            target = out / f"{fmt}-{label}"
             start = time.perf_counter()
             try:
-                convert(model, fmt, target, dtype=dtype)
+                convert(
+                    model, fmt, target, dtype=dtype, imatrix_data=Path(opts.imatrix_data) if imatrix else None
+                )
             except UserInputError as refused:  # a scheme that does not fit this model's sizes
-                print(f"| {fmt} {dtype} | refused: {refused} |", flush=True)
+                print(f"| {fmt} {label} | refused: {refused} |", flush=True)
                 continue
             seconds = time.perf_counter() - start
             verdict = verify(target, against=model, data=data)
@@ -183,7 +188,7 @@ def bench_gates(opts: argparse.Namespace) -> None:
             accuracy = parity.get("accuracy") or {}
             rows.append(
                 {
-                    "format": f"{fmt} {dtype}",
+                    "format": f"{fmt} {label}",
                     "precision": verdict.precision,
                     "runtime": verdict.runtime,
                     "bytes": sum(
@@ -239,6 +244,10 @@ def main() -> None:
     gates.add_argument("--model", required=True)
     gates.add_argument("--data", required=True)
     gates.add_argument("--only", help="one format (gguf, onnx, compressed-tensors)")
+    gates.add_argument(
+        "--imatrix-data",
+        help="also the k-quants with an importance matrix from this file (llama.cpp tools on PATH)",
+    )
     opts = parser.parse_args()
     if opts.command != "prepare":
         loads = " ".join(f"{x:.2f}" for x in os.getloadavg())

@@ -94,3 +94,56 @@ def test_a_gguf_larger_than_the_free_disk_is_refused_before_writing(
     with pytest.raises(UserInputError, match=r"the GGUF needs about \d+ MiB and the disk has 0 MiB free"):
         convert(model_dir, "gguf", tmp_path / "out", dtype="f32")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out*"))
+
+
+def test_an_importance_matrix_is_made_by_llama_cpp_tools_or_refused_naming_them(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    data = tmp_path / "calibration.txt"
+    data.write_text("".join(TEXTS) * 40)
+    out = tmp_path / "q4i"
+    args = ["ckpt", "convert", str(model_dir), "--to", "gguf", "--dtype", "q4_k_m", "--out", str(out)]
+    result = run_cli(*args, "--imatrix-data", str(data))
+    if shutil.which("llama-imatrix") is None or shutil.which("llama-quantize") is None:  # CI
+        assert result.returncode == 2, result.stderr
+        assert "llama.cpp's tools" in result.stderr and "llama-imatrix" in result.stderr
+        assert "cmake --build build --target llama-imatrix llama-quantize" in result.stderr
+        assert not out.exists() and not list(tmp_path.glob("q4i*"))
+    else:
+        assert result.returncode == 0, result.stderr
+        details = json.loads((out / "lmforge_export.json").read_text())["details"]
+        assert details["quantizer"] == "llama.cpp llama-imatrix + llama-quantize --imatrix"
+        assert details["imatrix_chunks"] >= 2 and details["imatrix_data"] == str(data)
+    # Whatever is installed: an importance matrix for a type that takes none is refused first.
+    f16 = run_cli(*args[:-4], "--dtype", "f16", "--out", str(tmp_path / "f16"), "--imatrix-data", str(data))
+    assert f16.returncode == 2 and "goes with a quantized type" in f16.stderr
+    onnx = run_cli(
+        "ckpt",
+        "convert",
+        str(model_dir),
+        "--to",
+        "onnx",
+        "--out",
+        str(tmp_path / "x"),
+        "--imatrix-data",
+        str(data),
+    )
+    assert onnx.returncode == 2 and "for GGUF k-quants, not --to onnx" in onnx.stderr
+
+
+def test_an_importance_matrix_without_a_k_quant_gguf_export_is_a_config_error() -> None:
+    from lmforge.config import load_config
+    from lmforge.errors import UserInputError
+
+    config = {
+        "model": {"preset": "llama-tiny"},
+        "tokenizer": {"train": {"vocab_size": 300}},
+        "data": {"train": [{"path": "corpus.txt"}]},
+        "export": {"formats": ["gguf"], "gguf_dtype": "f16", "gguf_imatrix_data": "eval"},
+    }
+    with pytest.raises(UserInputError, match=r"export.gguf_imatrix_data: .*not f32/f16/bf16/q8_0"):
+        load_config(None, base=config)
+    config["export"]["gguf_dtype"] = "q4_k_m"
+    load_config(None, base=config)  # the tools and the eval file are the preflight's (machine) checks

@@ -25,6 +25,12 @@ def command(
         "(default f16); onnx: f32|f16|int8 (default f32); safetensors: f32|f16|bf16 (default: keep); "
         "compressed-tensors: fp8|w8a16|w4a16 (default fp8); tensorrt-llm: bf16|f16 (default bf16).",
     ),
+    imatrix_data: Path | None = typer.Option(
+        None,
+        "--imatrix-data",
+        help="gguf k-quants: texts or QA rows to compute llama.cpp's importance matrix on (needs llama.cpp's "
+        "llama-imatrix and llama-quantize on PATH).",
+    ),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="safetensors: largest shard."),
     allow_bin: bool = typer.Option(
         False,
@@ -39,7 +45,15 @@ def command(
     """
     from lmforge.export.convert import convert
 
-    result = convert(path, to, out, dtype=dtype, max_shard_size=max_shard_size, allow_bin=allow_bin)
+    result = convert(
+        path,
+        to,
+        out,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        allow_bin=allow_bin,
+        imatrix_data=imatrix_data,
+    )
     console.print(f"[bold green]converted[/] {path} -> {result.format} in {result.out}")
     for file in result.files:
         console.print(f"  {file}", markup=False)

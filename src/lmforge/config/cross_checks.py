@@ -269,6 +269,15 @@ RULES: list[Rule] = [
         "safetensors exports here are for causal LMs: remove export.formats",
     ),
     (
+        lambda c: (
+            c.export.gguf_imatrix_data is not None
+            and ("gguf" not in c.export.formats or c.export.gguf_dtype in ("f32", "f16", "bf16", "q8_0"))
+        ),
+        "export.gguf_imatrix_data",
+        "an importance matrix steers llama.cpp's quantizer: it goes with export.formats [gguf] and a k-quant "
+        "export.gguf_dtype (q4_k_m, q5_k_m, ...), not f32/f16/bf16/q8_0",
+    ),
+    (
         lambda c: bool(c.export.formats) and c.train.method == "qlora",
         "export.formats",
         "a qlora run's base is 4-bit: merge the adapter onto the full-precision base with "

@@ -1237,6 +1237,12 @@ class ExportConfig(Section):
         "q4_k_m, ...) and q4_0-q5_1 are the f16 file requantized by llama.cpp's quantizer (needs "
         "llama-cpp-python: pip install 'lmforge[gguf]').",
     )
+    gguf_imatrix_data: str | None = Field(
+        None,
+        description="A GGUF k-quant with an importance matrix: `eval` (the verify data) or a texts / QA-rows "
+        "file to calibrate on; llama.cpp's llama-imatrix computes it and llama-quantize applies it (both "
+        "tools on PATH). Calibrating on the verify data makes its gates in-sample; a separate file avoids that.",
+    )
     onnx_dtype: Literal["f32", "f16", "int8"] = Field(
         "f32",
         description="ONNX weight type; int8: onnxruntime's dynamic quantization of the MatMul weights (per "

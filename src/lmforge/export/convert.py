@@ -28,14 +28,18 @@ def convert(
     dtype: str | None = None,
     max_shard_size: str = "5GB",
     allow_bin: bool = False,
+    imatrix_data: Path | None = None,
     accept: Callable[[Path], None] | None = None,
 ) -> Conversion:
-    """Convert the model at `source` to format `to` under directory `out`. `accept` sees the
-    finished conversion before it takes `out`'s place; if it raises, nothing is left behind."""
+    """Convert the model at `source` to format `to` under directory `out` (`imatrix_data`: a GGUF
+    k-quant with an importance matrix from those texts). `accept` sees the finished conversion
+    before it takes `out`'s place; if it raises, nothing is left behind."""
     if not source.exists():
         raise UserInputError(f"{source}: no such file or directory")
     if to not in FORMATS:
         raise UserInputError(f"--to {to!r}: choose one of {', '.join(FORMATS)}")
+    if imatrix_data is not None and to != "gguf":
+        raise UserInputError(f"--imatrix-data: an importance matrix is for GGUF k-quants, not --to {to}")
     check_out_path(out, source)
     require_writable(out.parent, what=f"--out {out}: its directory", fix="pass a writable directory as --out")
     # Written aside and sealed with a hash manifest, then renamed into place: `out` is either
@@ -44,7 +48,7 @@ def convert(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        result = _convert(source, to, staging, dtype, max_shard_size, allow_bin)
+        result = _convert(source, to, staging, dtype, max_shard_size, allow_bin, imatrix_data)
         record = {"source": str(source.resolve()), "format": to, "dtype": dtype, "details": result.details}
         (staging / EXPORT_RECORD).write_text(json.dumps(record, indent=2, default=str))
         if accept is not None:
@@ -59,12 +63,18 @@ def convert(
 
 
 def _convert(
-    source: Path, to: str, out: Path, dtype: str | None, max_shard_size: str, allow_bin: bool
+    source: Path,
+    to: str,
+    out: Path,
+    dtype: str | None,
+    max_shard_size: str,
+    allow_bin: bool,
+    imatrix_data: Path | None,
 ) -> Conversion:
     if to == "gguf":
         from lmforge.export.to_gguf import convert_to_gguf
 
-        return convert_to_gguf(source, out, dtype=dtype or "f16")
+        return convert_to_gguf(source, out, dtype=dtype or "f16", imatrix_data=imatrix_data)
     if to == "onnx":
         from lmforge.export.to_onnx import convert_to_onnx
 

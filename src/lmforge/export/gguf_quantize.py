@@ -8,8 +8,12 @@ type per tensor as its tool does: q4_k_m keeps some tensors at 6 bits, and a ten
 not a multiple of the k-quant block (256) falls back to a type that fits (small models), which the
 conversion's `tensor_types` shows.
 
-An importance matrix (llama.cpp's `--imatrix`) is not available here: llama-cpp-python exposes
-no way to compute one, and the quantizer takes it only as a C++ map.
+With an importance matrix (`export.gguf_imatrix`, `ckpt convert --imatrix-data`), llama.cpp's own
+tools do both steps, as its users run them: `llama-imatrix` measures which weights matter on the
+calibration texts (the run's held-out data, chat-rendered like verification reads it) and
+`llama-quantize --imatrix` spends the bits there. llama-cpp-python cannot: it has no imatrix
+computation and its quantizer takes the matrix only as a C++ map. The tools come with llama.cpp
+(a package manager's llama.cpp, or a build of its `llama-imatrix` and `llama-quantize` targets).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import ctypes
 import importlib.util
 import logging
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -45,6 +51,12 @@ QUANT_TYPES: dict[str, str] = {
     "q2_k": "Q2_K",
 }
 INSTALL = "pip install 'lmforge[gguf]' (llama-cpp-python, which compiles llama.cpp: a few minutes)"
+IMATRIX_TOOLS = ("llama-imatrix", "llama-quantize")
+TOOLS_INSTALL = (
+    "install llama.cpp (for example `brew install llama.cpp`), or build its tools: `cmake -S llama.cpp -B build "
+    "&& cmake --build build --target llama-imatrix llama-quantize`, and put build/bin on PATH"
+)
+_MIN_CONTEXT, _MAX_CONTEXT = 32, 512  # llama-imatrix reads the text in chunks of one context each
 
 
 def require_quantizer(dtype: str) -> None:
@@ -53,6 +65,89 @@ def require_quantizer(dtype: str) -> None:
         raise UserInputError(
             f"--dtype {dtype}: GGUF quantization runs llama.cpp's quantizer, and llama-cpp-python is not "
             f"installed. Fix: {INSTALL}; or choose f32, f16, bf16 or q8_0, which lmforge writes itself"
+        )
+
+
+def require_imatrix_tools(dtype: str) -> dict[str, str]:
+    """The paths of llama.cpp's llama-imatrix and llama-quantize; UserInputError, before any work,
+    naming what is missing, when `dtype` is no llama.cpp quant type or a tool is not on PATH."""
+    if dtype not in QUANT_TYPES:
+        raise UserInputError(
+            f"--dtype {dtype}: an importance matrix steers llama.cpp's quantizer, so it goes with a quantized "
+            f"type ({', '.join(QUANT_TYPES)}); f32/f16/bf16/q8_0 take none"
+        )
+    tools = {name: shutil.which(name) for name in IMATRIX_TOOLS}
+    missing = [name for name, path in tools.items() if path is None]
+    if missing:
+        raise UserInputError(
+            f"an importance matrix is computed and applied by llama.cpp's tools, and {' and '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not on PATH. Fix: {TOOLS_INSTALL}; or quantize without one"
+        )
+    return {name: str(path) for name, path in tools.items()}
+
+
+def quantize_with_imatrix(
+    source: Path, target: Path, dtype: str, calibration: list[str], tokens: int, tools: dict[str, str]
+) -> dict[str, object]:
+    """Quantize the f16 GGUF `source` into `target` with an importance matrix llama.cpp computes on
+    the `calibration` texts (`tokens` long in the model's tokenizer). Returns what was used."""
+    context = _context_for(tokens)
+    threads = str(os.cpu_count() or 1)
+    with tempfile.TemporaryDirectory(prefix="lmforge-imatrix-") as work:
+        text, matrix = Path(work) / "calibration.txt", Path(work) / "imatrix.gguf"
+        text.write_text("\n".join(calibration))
+        _run_tool(
+            [
+                tools["llama-imatrix"],
+                "-m",
+                str(source),
+                "-f",
+                str(text),
+                "-o",
+                str(matrix),
+                "-c",
+                str(context),
+            ]
+            + ["--no-ppl", "-t", threads],
+            what="compute the importance matrix",
+        )
+        _run_tool(
+            [
+                tools["llama-quantize"],
+                "--imatrix",
+                str(matrix),
+                str(source),
+                str(target),
+                QUANT_TYPES[dtype],
+                threads,
+            ],
+            what=f"quantize into {dtype}",
+        )
+    return {"imatrix_tokens": tokens, "imatrix_context": context, "imatrix_chunks": tokens // context}
+
+
+def _context_for(tokens: int) -> int:
+    """The largest power-of-two context (32..512) that leaves llama-imatrix at least two chunks."""
+    context = _MAX_CONTEXT
+    while context > _MIN_CONTEXT and tokens < 2 * context:
+        context //= 2
+    if tokens < 2 * context:
+        raise UserInputError(
+            f"the calibration data holds {tokens} tokens; an importance matrix needs at least {2 * _MIN_CONTEXT}. "
+            "Fix: more held-out rows (export.verify_data / --imatrix-data), or quantize without one"
+        )
+    return context
+
+
+def _run_tool(command: list[str], *, what: str) -> None:
+    """Run a llama.cpp tool with its output in the log (debug); CheckpointError with its last lines."""
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    output = (result.stdout + result.stderr).strip()
+    log.debug("%s:\n%s", " ".join(command), output)
+    if result.returncode != 0:
+        tail = "\n".join(output.splitlines()[-5:])
+        raise CheckpointError(
+            f"llama.cpp could not {what} ({Path(command[0]).name} exit {result.returncode}):\n{tail}"
         )
 
 

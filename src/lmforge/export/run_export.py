@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.config.schema import ExportConfig
-from lmforge.errors import ExportVerificationFailed
+from lmforge.errors import ExportVerificationFailed, UserInputError
 from lmforge.export.convert import convert
 from lmforge.export.merge import merge_lora
 
@@ -85,7 +85,9 @@ def run_export(
         record: dict[str, Any] = {"dir": str(out), "dtype": dtypes[fmt]}
         check = _Gate(cfg, reference, data, out) if cfg.verify else None
         try:
-            conversion = convert(source, fmt, out, dtype=dtypes[fmt], accept=check)
+            conversion = convert(
+                source, fmt, out, dtype=dtypes[fmt], imatrix_data=_imatrix_data(cfg, fmt, data), accept=check
+            )
         except _Rejected:
             shutil.rmtree(out, ignore_errors=True)  # an earlier export of this run is no longer its export
             record["dir"] = None
@@ -103,6 +105,20 @@ def run_export(
             + "; ".join(outcome.failures)
         )
     return outcome
+
+
+def _imatrix_data(cfg: ExportConfig, fmt: str, verify_data: Path | None) -> Path | None:
+    """The GGUF importance matrix's calibration file: `eval` is the verify data."""
+    if fmt != "gguf" or cfg.gguf_imatrix_data is None:
+        return None
+    if cfg.gguf_imatrix_data != "eval":
+        return Path(cfg.gguf_imatrix_data)
+    if verify_data is None:
+        raise UserInputError(
+            "export.gguf_imatrix_data: eval, and the run has no eval data to calibrate on. Fix: set "
+            "export.verify_data, data.eval, or a file here"
+        )
+    return verify_data
 
 
 class _Rejected(Exception):

@@ -39,7 +39,13 @@ from lmforge.errors import UserInputError
 from lmforge.export.conversion import Conversion
 from lmforge.export.gguf_encoding import PlannedTensor, QType, encode_blocks, one_thread, storage_type
 from lmforge.export.gguf_modelfile import render_modelfile
-from lmforge.export.gguf_quantize import QUANT_TYPES, quantize, require_quantizer
+from lmforge.export.gguf_quantize import (
+    QUANT_TYPES,
+    quantize,
+    quantize_with_imatrix,
+    require_imatrix_tools,
+    require_quantizer,
+)
 from lmforge.export.gguf_tokenizer import add_tokenizer, load_tokenizer
 from lmforge.export.safetensors_stream import INDEX_NAME, Entry, SafetensorsReader
 
@@ -76,19 +82,23 @@ _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<index>\d+)\.(?P<proj>\w+)\.
 _SKIP_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def convert_to_gguf(source: Path, out: Path, *, dtype: str) -> Conversion:
+def convert_to_gguf(source: Path, out: Path, *, dtype: str, imatrix_data: Path | None = None) -> Conversion:
     """Write `<out>/model-<dtype>.gguf` and `<out>/Modelfile` from the HF model directory `source`.
     f32 / f16 / bf16 / q8_0 are written here; the other llama.cpp types (q4_k_m, q6_k, ...) are the
-    f16 file requantized by llama.cpp (gguf_quantize.py), the f16 file removed after."""
+    f16 file requantized by llama.cpp (gguf_quantize.py), the f16 file removed after; with
+    `imatrix_data`, by llama.cpp's tools with an importance matrix computed on that data's texts."""
     if dtype not in GGUF_DTYPES and dtype not in QUANT_TYPES:
         raise UserInputError(
             f"--dtype {dtype!r}: for gguf choose one of {', '.join([*GGUF_DTYPES, *QUANT_TYPES])}"
         )
     requantized = dtype in QUANT_TYPES
-    if requantized:
+    if imatrix_data is not None:
+        tools = require_imatrix_tools(dtype)
+    elif requantized:
         require_quantizer(dtype)
     written = "f16" if requantized else dtype
     config = _read_config(source)
+    calibration = _calibration_texts(source, imatrix_data) if imatrix_data is not None else None
     family = FAMILIES[config["model_type"]]
     shards = _weight_files(source)
     tokenizer = load_tokenizer(source, config)
@@ -123,7 +133,14 @@ def convert_to_gguf(source: Path, out: Path, *, dtype: str) -> Conversion:
         raise
     writer.close()
     os.replace(partial, plain)
-    if requantized:
+    if calibration is not None:
+        details |= quantize_with_imatrix(plain, path, dtype, *calibration, tools)
+        details |= {
+            "quantizer": "llama.cpp llama-imatrix + llama-quantize --imatrix",
+            "imatrix_data": str(imatrix_data),
+        }
+        plain.unlink()
+    elif requantized:
         quantize(plain, path, dtype)
         plain.unlink()
         details["quantizer"] = "llama.cpp llama_model_quantize (llama-cpp-python)"
@@ -187,6 +204,19 @@ def _write_streaming(writer: gguf.GGUFWriter, plan: list[PlannedTensor]) -> None
     finally:
         for reader in readers.values():
             reader.close()
+
+
+def _calibration_texts(source: Path, data: Path) -> tuple[list[str], int]:
+    """The importance matrix's calibration texts, `data` read as verification reads it (texts, or QA
+    rows chat-rendered with their answers), and their length in tokens."""
+    from lmforge.data.tokenizer import load_tokenizer as load_hf_tokenizer
+    from lmforge.export.verify import rendered_texts
+
+    if not data.is_file():
+        raise UserInputError(f"--imatrix-data {data}: no such file; pass texts (.txt, jsonl) or QA rows")
+    tokenizer = load_hf_tokenizer(str(source))
+    texts, _, _ = rendered_texts(tokenizer, data, None)
+    return texts, len(tokenizer("\n".join(texts))["input_ids"])
 
 
 def _read_config(source: Path) -> dict[str, Any]:

@@ -180,23 +180,12 @@ def held_out(
     Texts: the data file's texts or built-in texts, every token scored; QA rows: chat-rendered with
     their answers, the answer's tokens scored. Cut to `max_tokens`. Questions: each QA row's chat
     prompt ids and its expected answer."""
-    from lmforge.evaluate.generation import chat_messages, render_prompt
-    from lmforge.evaluate.rows import data_kind, read_qa_rows, read_texts
-
+    texts, prompts, rows = rendered_texts(tokenizer, data, max_rows)
     questions: list[dict[str, Any]] = []
-    prompts: list[str] = []
-    if data is None:
-        texts = list(DEFAULT_TEXTS)
-    elif data_kind(data) == "text":
-        texts = read_texts(data)[:max_rows]
-    else:
-        rows = read_qa_rows(data)[:max_rows]
-        prompts = [render_prompt(tokenizer, chat_messages(row["question"])) for row in rows]
-        texts = [prompt + row["answer"] for prompt, row in zip(prompts, rows, strict=True)]
-        for prompt, row in zip(prompts, rows, strict=True):
-            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            answer_tokens = len(tokenizer(row["answer"], add_special_tokens=False)["input_ids"])
-            questions.append({"prompt_ids": ids, "answer": row["answer"], "new_tokens": answer_tokens + 8})
+    for prompt, row in zip(prompts, rows, strict=True):
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        answer_tokens = len(tokenizer(row["answer"], add_special_tokens=False)["input_ids"])
+        questions.append({"prompt_ids": ids, "answer": row["answer"], "new_tokens": answer_tokens + 8})
     sequences = [tokenizer(text, add_special_tokens=True)["input_ids"][:max_tokens] for text in texts]
     if questions:  # perplexity of the answers, what the model was trained to write, not of the prompts
         scored = [
@@ -209,6 +198,24 @@ def held_out(
     if not scored:
         raise UserInputError(f"{data}: no text of at least 4 tokens to compare on")
     return scored, questions
+
+
+def rendered_texts(
+    tokenizer: Any, data: Path | None, max_rows: int | None
+) -> tuple[list[str], list[str], list[dict[str, Any]]]:
+    """The texts a model is checked on, as it reads them: the data file's texts (built-in texts
+    without one), or its QA rows chat-rendered with their answers; then, for QA rows, each row's
+    chat prompt and the row. The first `max_rows` (None: all)."""
+    from lmforge.evaluate.generation import chat_messages, render_prompt
+    from lmforge.evaluate.rows import data_kind, read_qa_rows, read_texts
+
+    if data is None:
+        return list(DEFAULT_TEXTS), [], []
+    if data_kind(data) == "text":
+        return read_texts(data)[:max_rows], [], []
+    rows = read_qa_rows(data)[:max_rows]
+    prompts = [render_prompt(tokenizer, chat_messages(row["question"])) for row in rows]
+    return [prompt + row["answer"] for prompt, row in zip(prompts, rows, strict=True)], prompts, rows
 
 
 def task_accuracy(

@@ -25,7 +25,7 @@ from lmforge.config.schema import (
 from lmforge.config.stages import stage_spec
 from lmforge.errors import UserInputError
 from lmforge.evaluate.quality import require_bertscore
-from lmforge.export.gguf_quantize import QUANT_TYPES, require_quantizer
+from lmforge.export.gguf_quantize import QUANT_TYPES, require_imatrix_tools, require_quantizer
 from lmforge.monitor.sinks import require_sink_packages
 from lmforge.upstream import ALLOW_UNTESTED_ENV, check_upstream_versions, untested_versions
 
@@ -80,7 +80,17 @@ def check_machine_requirements(cfg: LmforgeConfig) -> None:
 def check_gguf_export_runs_here(cfg: LmforgeConfig) -> None:
     """A GGUF export this machine could not finish: a k-quant without llama.cpp to make it, or an
     MoE GGUF to verify without llama.cpp to run it."""
-    if cfg.export.gguf_dtype in QUANT_TYPES:
+    if cfg.export.gguf_imatrix_data is not None:
+        try:
+            require_imatrix_tools(cfg.export.gguf_dtype)
+        except UserInputError as err:
+            raise UserInputError(f"export.gguf_imatrix_data: {err}") from None
+        data = cfg.export.gguf_imatrix_data
+        if data != "eval" and not Path(data).expanduser().is_file():
+            raise UserInputError(
+                f"export.gguf_imatrix_data: {data!r} is not a file; give texts or QA rows, or eval"
+            )
+    elif cfg.export.gguf_dtype in QUANT_TYPES:
         try:
             require_quantizer(cfg.export.gguf_dtype)
         except UserInputError as err:
@@ -108,6 +118,16 @@ def check_compressed_export_runs_here(cfg: LmforgeConfig) -> None:
         check_scheme_fits(architecture_config(cfg.model).to_dict(), cfg.export.compressed_dtype, "the model")
     except UserInputError as err:
         raise UserInputError(f"{key}: {err}") from None
+
+
+def held_out_file(cfg: LmforgeConfig) -> Path | None:
+    """The run's first eval source when it is a local .jsonl or .txt file: what its exports are
+    verified on (export.verify_data overrides it)."""
+    for source in cfg.data.eval:
+        path = Path(source.path)
+        if source.dataset is None and path.suffix in (".jsonl", ".txt") and path.is_file():
+            return path
+    return None
 
 
 TEACHER_KEY = "train.distill.teacher"

@@ -48,7 +48,7 @@ from lmforge.train.memory_savers import describe_memory_savers
 from lmforge.train.oom_ladder import OomRestart, TrainingEngine, climb, forget_rungs, read_rungs
 from lmforge.train.outcome import TrainOutcome, outcome_of
 from lmforge.train.precision import resolve_precision
-from lmforge.train.preflight import check_runs_here
+from lmforge.train.preflight import check_runs_here, held_out_file
 from lmforge.train.provenance import describe
 from lmforge.train.rl_stage import reference_model_path
 from lmforge.train.rollback import train_with_rollbacks
@@ -333,16 +333,6 @@ def _train_and_export(
     if trainer.is_world_process_zero():
         guard.events.emit("finished", step, f"finished after {step} steps")
     return export
-
-
-def held_out_file(cfg: LmforgeConfig) -> Path | None:
-    """The run's first eval source when it is a local .jsonl or .txt file: what its exports are
-    verified on (export.verify_data overrides it)."""
-    for source in cfg.data.eval:
-        path = Path(source.path)
-        if source.dataset is None and path.suffix in (".jsonl", ".txt") and path.is_file():
-            return path
-    return None
 
 
 def _metrics_summary(trainer: Trainer) -> dict[str, float]:
