@@ -20,6 +20,7 @@ RANKS = {
     "cli": 10,
     "pipeline": 9,
     "sweep": 9,
+    "ui": 9,
     "train": 8,
     "registry": 8,
     "serve": 8,

@@ -31,6 +31,7 @@ from lmforge.cli.rl import rl_app
 from lmforge.cli.serve import serve
 from lmforge.cli.sweep import sweep
 from lmforge.cli.train import prepare, train
+from lmforge.cli.ui import ui
 from lmforge.config import dump_config, load_config
 from lmforge.config.load import schema_rows
 from lmforge.config.redact import redact_text
@@ -65,6 +66,7 @@ app.command("launch")(launch)
 app.command("eval")(eval_command)
 app.command("generate")(generate)
 app.command("serve")(serve)
+app.command("ui")(ui)
 app.command("estimate")(estimate)
 app.command("report")(report)
 app.add_typer(runs_app, name="runs")

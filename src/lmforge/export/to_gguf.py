@@ -210,7 +210,7 @@ def _calibration_texts(source: Path, data: Path) -> tuple[list[str], int]:
     """The importance matrix's calibration texts, `data` read as verification reads it (texts, or QA
     rows chat-rendered with their answers), and their length in tokens."""
     from lmforge.data.tokenizer import load_tokenizer as load_hf_tokenizer
-    from lmforge.export.verify import rendered_texts
+    from lmforge.export.reference_texts import rendered_texts
 
     if not data.is_file():
         raise UserInputError(f"--imatrix-data {data}: no such file; pass texts (.txt, jsonl) or QA rows")

@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from lmforge.errors import UserInputError
 from lmforge.export.convert import EXPORT_RECORD
 from lmforge.export.integrity import check_integrity
+from lmforge.export.reference_texts import rendered_texts
 from lmforge.export.runtimes import (
     BITS4,
     BITS6,
@@ -38,12 +39,6 @@ from lmforge.export.runtimes import (
 )
 
 log = logging.getLogger(__name__)
-DEFAULT_TEXTS = (
-    "The quick brown fox jumps over the lazy dog. It was the best of times, it was the worst of times.",
-    "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(add(i, i))\n",
-    "Question: what is 12 + 30?\nAnswer: 42. Question: what colour is the sky?\nAnswer: blue.",
-    "import os\nimport sys\n\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n",
-)
 
 
 @dataclass(frozen=True)
@@ -198,24 +193,6 @@ def held_out(
     if not scored:
         raise UserInputError(f"{data}: no text of at least 4 tokens to compare on")
     return scored, questions
-
-
-def rendered_texts(
-    tokenizer: Any, data: Path | None, max_rows: int | None
-) -> tuple[list[str], list[str], list[dict[str, Any]]]:
-    """The texts a model is checked on, as it reads them: the data file's texts (built-in texts
-    without one), or its QA rows chat-rendered with their answers; then, for QA rows, each row's
-    chat prompt and the row. The first `max_rows` (None: all)."""
-    from lmforge.evaluate.generation import chat_messages, render_prompt
-    from lmforge.evaluate.rows import data_kind, read_qa_rows, read_texts
-
-    if data is None:
-        return list(DEFAULT_TEXTS), [], []
-    if data_kind(data) == "text":
-        return read_texts(data)[:max_rows], [], []
-    rows = read_qa_rows(data)[:max_rows]
-    prompts = [render_prompt(tokenizer, chat_messages(row["question"])) for row in rows]
-    return [prompt + row["answer"] for prompt, row in zip(prompts, rows, strict=True)], prompts, rows
 
 
 def task_accuracy(

@@ -1,0 +1,1 @@
+"""`lmforge ui`: the local web app (see app.py)."""

@@ -1,0 +1,170 @@
+"""The UI's HTTP side: a Starlette app (the ASGI toolkit FastAPI is built on, already in lmforge's
+stack through MLflow) serving one page and a small JSON API, and a server-sent-events stream per
+run that follows metrics.jsonl, the events and the run's state as they grow.
+
+Every action goes through the code the CLI runs: validation is `load_config` (the CLI's messages),
+a launch is `lmforge train`, a stop is the SIGTERM the CLI's own signal handling turns into a
+checkpoint. See ARCHITECTURE.md for why a small ASGI app and not Gradio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from lmforge.errors import UserInputError
+from lmforge.run_layout import RunPaths
+from lmforge.ui.runs import RunsRoot, UnknownRun
+from lmforge.ui.security import Access, Guard
+
+POLL_S = 0.5  # how often a stream looks at the files: the curve lags the file by at most this
+STATE_EVERY = 4  # polls between state messages (running, exit code, checkpoints)
+
+
+def create_app(runs: RunsRoot, access: Access) -> Guard:
+    page = resources.files("lmforge.ui").joinpath("static/index.html").read_text(encoding="utf-8")
+    page = page.replace("{{CSRF}}", access.csrf)
+
+    async def index(_: Request) -> Response:
+        return HTMLResponse(page, headers={"cache-control": "no-store"})
+
+    async def list_runs(_: Request) -> Response:
+        return JSONResponse({"root": str(runs.root), "runs": [r.to_json() for r in runs.runs()]})
+
+    async def run_detail(request: Request) -> Response:
+        name = request.path_params["name"]
+        return JSONResponse(
+            {
+                **runs.state(name).to_json(),
+                "config": runs.config_text(name),
+                "console": runs.console_tail(name),
+                "checkpoints": _checkpoints(runs.run_dir(name)),
+            }
+        )
+
+    async def validate(request: Request) -> Response:
+        body = await _json(request)
+        return JSONResponse({"ok": True, "name": runs.validate(str(body.get("config", "")))})
+
+    async def launch(request: Request) -> Response:
+        body = await _json(request)
+        return JSONResponse({"ok": True, "name": runs.launch(str(body.get("config", "")))})
+
+    async def stop(request: Request) -> Response:
+        return JSONResponse({"ok": True, "pid": runs.stop(request.path_params["name"])})
+
+    async def resume(request: Request) -> Response:
+        body = await _json(request)
+        max_steps = body.get("max_steps")
+        runs.resume(request.path_params["name"], int(max_steps) if max_steps else None)
+        return JSONResponse({"ok": True})
+
+    async def stream(request: Request) -> Response:
+        name = request.path_params["name"]
+        run_dir = runs.run_dir(name)
+        return StreamingResponse(
+            _follow(request, runs, name, run_dir),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-store", "x-accel-buffering": "no"},
+        )
+
+    app = Starlette(
+        routes=[
+            Route("/", index),
+            Route("/api/runs", list_runs),
+            Route("/api/runs", launch, methods=["POST"]),
+            Route("/api/validate", validate, methods=["POST"]),
+            Route("/api/runs/{name}", run_detail),
+            Route("/api/runs/{name}/stream", stream),
+            Route("/api/runs/{name}/stop", stop, methods=["POST"]),
+            Route("/api/runs/{name}/resume", resume, methods=["POST"]),
+        ],
+        exception_handlers={UnknownRun: _not_found, UserInputError: _refused},
+    )
+    return Guard(app, access)
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise UserInputError("the request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise UserInputError("the request body must be a JSON object")
+    return body
+
+
+async def _not_found(_: Request, err: Exception) -> Response:
+    return JSONResponse({"ok": False, "error": str(err)}, status_code=404)
+
+
+async def _refused(_: Request, err: Exception) -> Response:
+    # The CLI's own message (file / line / key and the fix), shown next to the form.
+    return JSONResponse({"ok": False, "error": str(err)}, status_code=400)
+
+
+def _checkpoints(run_dir: Path) -> list[str]:
+    from lmforge.ckpt.atomic import check_checkpoint, list_step_dirs
+
+    return [
+        d.name
+        for d in list_step_dirs(RunPaths(run_dir).checkpoints)
+        if check_checkpoint(d, verify_hashes=False).complete
+    ]
+
+
+async def _follow(request: Request, runs: RunsRoot, name: str, run_dir: Path) -> AsyncIterator[str]:
+    """Server-sent events: `metrics` and `events` with the lines added since the last look (all of
+    them at first), `state` every few polls and whenever the run starts or stops."""
+    paths = RunPaths(run_dir)
+    offsets: dict[Path, int] = {}
+    last_state: dict[str, Any] | None = None
+    tick = 0
+    while not await request.is_disconnected():
+        metrics = _new_lines(paths.metrics, offsets)
+        if metrics:
+            yield _event("metrics", metrics)
+        events = [line for path in sorted(paths.events.glob("*.jsonl")) for line in _new_lines(path, offsets)]
+        if events:
+            yield _event("events", events)
+        if tick % STATE_EVERY == 0:
+            state = runs.state(name).to_json() | {"checkpoints": _checkpoints(run_dir)}
+            if state != last_state:
+                if last_state is not None and last_state["running"] and not state["running"]:
+                    state["console"] = runs.console_tail(name)
+                yield _event("state", state)
+                last_state = state
+        tick += 1
+        await asyncio.sleep(POLL_S)
+
+
+def _new_lines(path: Path, offsets: dict[Path, int]) -> list[dict[str, Any]]:
+    """The complete JSON lines written to `path` since the offset kept for it."""
+    if not path.is_file():
+        return []
+    start = offsets.get(path, 0)
+    with path.open("rb") as handle:
+        handle.seek(start)
+        chunk = handle.read()
+    end = chunk.rfind(b"\n") + 1  # a line still being written waits for its newline
+    offsets[path] = start + end
+    records = []
+    for line in chunk[:end].splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def _event(kind: str, data: Any) -> str:
+    return f"event: {kind}\ndata: {json.dumps(data, default=str)}\n\n"

@@ -1,0 +1,189 @@
+"""The runs the UI shows and controls: one directory of run directories (`--runs`, default ./runs).
+
+Nothing here trains. A run is started as `lmforge train CONFIG run.output_dir=ROOT`, the command a
+user would type, in a process of its own session: the UI does not own its life. A run is running
+while its `.lock` is held (train/run_lock.py), so a restarted UI finds its runs again by the lock,
+and stops one by sending SIGTERM to the pid the lock names (the run checkpoints, then exits). Each
+launch goes through a small waiter (`python -m lmforge.ui.waiter`) that records the exit code and
+keeps the console output, which the run page shows when the run ends.
+
+Every path comes from a run name checked against the root: a name is one plain directory entry, and
+the directory it resolves to (symlinks followed) must lie inside the root.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from lmforge.errors import UserInputError
+from lmforge.report import list_runs
+from lmforge.report.load import is_run_dir
+from lmforge.train.run_lock import LOCK_NAME
+
+UI_DIR = ".ui"  # under the root: the configs the UI launched, console logs, exit codes
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_TAIL_BYTES = 8192
+
+
+class UnknownRun(UserInputError):
+    """A run name that is not a run directory inside the root (the UI answers 404)."""
+
+
+@dataclass
+class RunState:
+    """A run as the UI shows it: the report's row plus whether a process holds it now."""
+
+    name: str
+    status: str
+    stage: str
+    steps: int | None
+    running: bool
+    pid: int | None
+    exit_code: int | None
+    best_eval_metric: str | None
+    best_eval_value: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RunsRoot:
+    def __init__(self, root: Path, cwd: Path | None = None) -> None:
+        self.root = root.resolve()
+        self.cwd = (cwd or Path.cwd()).resolve()
+        self.ui_dir = self.root / UI_DIR
+
+    # --- reading ----------------------------------------------------------------------------
+    def runs(self) -> list[RunState]:
+        rows = list_runs(self.root) if self.root.is_dir() else []
+        return [self._state(row.name, Path(row.path), row) for row in rows]
+
+    def run_dir(self, name: str) -> Path:
+        """The run directory `name` names inside the root; UnknownRun for anything else."""
+        if not _NAME.fullmatch(name) or name == UI_DIR:
+            raise UnknownRun(f"{name!r}: not a run name (letters, digits, '.', '_', '-')")
+        path = (self.root / name).resolve()
+        if not path.is_relative_to(self.root) or not is_run_dir(path):
+            raise UnknownRun(f"{name}: no run of that name under {self.root}")
+        return path
+
+    def state(self, name: str) -> RunState:
+        path = self.run_dir(name)
+        row = next((r for r in list_runs(self.root) if Path(r.path).resolve() == path), None)
+        return self._state(name, path, row)
+
+    def console_tail(self, name: str) -> str:
+        log = self.ui_dir / f"{name}.console.log"
+        if not log.is_file():
+            return ""
+        with log.open("rb") as handle:
+            handle.seek(max(0, log.stat().st_size - _TAIL_BYTES))
+            return handle.read().decode("utf-8", "replace")
+
+    def config_text(self, name: str) -> str:
+        config = self.run_dir(name) / "config.yaml"
+        return config.read_text(encoding="utf-8") if config.is_file() else ""
+
+    # --- acting -----------------------------------------------------------------------------
+    def validate(self, text: str) -> str:
+        """The config's name after the CLI's own validation; UserInputError with its message."""
+        from lmforge.config import load_config
+
+        draft = self._write_config("draft", text)
+        try:
+            cfg = load_config(draft, [f"run.output_dir={self.root}"])
+        except UserInputError as err:  # the line numbers are the editor's: say "config", not the draft file
+            raise UserInputError(str(err).replace(str(draft), "config")) from None
+        if not _NAME.fullmatch(cfg.run.name):
+            raise UserInputError(f"run.name {cfg.run.name!r}: use letters, digits, '.', '_' or '-'")
+        return cfg.run.name
+
+    def launch(self, text: str) -> str:
+        """Start `lmforge train` on the config text; returns the run's name."""
+        name = self.validate(text)
+        if self._holder(self.root / name) is not None:
+            raise UserInputError(f"run {name} is running; stop it first, or choose another run.name")
+        config = self._write_config(name, text)
+        self._start(name, ["train", str(config), f"run.output_dir={self.root}"])
+        return name
+
+    def resume(self, name: str, max_steps: int | None = None) -> None:
+        """Run the recorded config again: `train.resume: auto` continues from the last checkpoint;
+        `max_steps` above the old target extends the run."""
+        path = self.run_dir(name)
+        if self._holder(path) is not None:
+            raise UserInputError(f"run {name} is running already")
+        overrides = [f"run.output_dir={self.root}", "train.resume=auto"]
+        if max_steps is not None:
+            overrides.append(f"train.max_steps={int(max_steps)}")
+        self._start(name, ["train", str(path / "config.yaml"), *overrides])
+
+    def stop(self, name: str) -> int:
+        """SIGTERM to the process holding the run: it checkpoints at the step boundary and exits."""
+        pid = self._holder(self.run_dir(name))
+        if pid is None:
+            raise UserInputError(f"run {name} is not running")
+        os.kill(pid, signal.SIGTERM)
+        return pid
+
+    # --- helpers ----------------------------------------------------------------------------
+    def _state(self, name: str, path: Path, row: Any) -> RunState:
+        pid = self._holder(path)
+        exit_file = self.ui_dir / f"{name}.exit"
+        exit_code = int(exit_file.read_text()) if pid is None and exit_file.is_file() else None
+        return RunState(
+            name=name,
+            status="running" if pid is not None else (row.status if row else "prepared"),
+            stage=row.stage if row else "?",
+            steps=row.steps if row else None,
+            running=pid is not None,
+            pid=pid,
+            exit_code=exit_code,
+            best_eval_metric=row.best_eval_metric if row else None,
+            best_eval_value=row.best_eval_value if row else None,
+        )
+
+    def _holder(self, run_dir: Path) -> int | None:
+        """The pid holding the run's lock, or None when no process holds it."""
+        lock = run_dir / LOCK_NAME
+        if not lock.is_file():
+            return None
+        with lock.open("r", encoding="utf-8") as handle:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    return int(json.loads(handle.read() or "{}").get("pid"))
+                except (ValueError, TypeError):
+                    return None
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+            return None
+
+    def _write_config(self, stem: str, text: str) -> Path:
+        self.ui_dir.mkdir(parents=True, exist_ok=True)
+        path = self.ui_dir / f"{stem}.yaml"
+        path.write_text(text, encoding="utf-8")
+        return path
+
+    def _start(self, name: str, args: list[str]) -> None:
+        self.ui_dir.mkdir(parents=True, exist_ok=True)
+        (self.ui_dir / f"{name}.exit").unlink(missing_ok=True)
+        command = [sys.executable, "-m", "lmforge.ui.waiter", str(self.ui_dir), name, *args]
+        # A session of its own: closing the UI (or Ctrl-C in its terminal) does not stop the run.
+        subprocess.Popen(
+            command,
+            cwd=self.cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )

@@ -1,0 +1,160 @@
+"""`lmforge ui`: who may use it (token, Host, CSRF, paths inside the runs directory), and a user's
+session in a real browser — Debian's Chromium driven by Playwright (pointed at the system browser;
+nothing is downloaded): write a config, see the CLI's error for a bad value, launch, watch the loss
+curve grow, stop (a checkpoint), resume to the end."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from lmforge.ui.app import create_app
+from lmforge.ui.runs import RunsRoot
+from lmforge.ui.security import Access
+from tests.conftest import SMALL_ARCH
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+
+
+def _fake_run(root: Path, name: str) -> Path:
+    run = root / name
+    (run / "events").mkdir(parents=True)
+    (run / "config.yaml").write_text(f"run: {{name: {name}}}\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.0}\n')
+    return run
+
+
+@pytest.fixture
+def client(tmp_path: Path) -> Iterator[tuple[TestClient, Access, Path]]:
+    root = tmp_path / "runs"
+    _fake_run(root, "a")
+    access = Access("127.0.0.1", 8765)
+    with TestClient(create_app(RunsRoot(root), access), base_url="http://127.0.0.1:8765") as test_client:
+        yield test_client, access, root
+
+
+def test_the_token_opens_the_ui_and_nothing_else_does(client: tuple[TestClient, Access, Path]) -> None:
+    http, access, _ = client
+    assert http.get("/api/runs").status_code == 403  # no cookie yet
+    assert http.get("/?token=wrong", follow_redirects=False).status_code == 403
+    opened = http.get(f"/?token={access.token}", follow_redirects=False)
+    assert opened.status_code == 303 and opened.headers["location"] == "/"  # the token leaves the address bar
+    assert "HttpOnly" in opened.headers["set-cookie"] and "SameSite=Strict" in opened.headers["set-cookie"]
+    runs = http.get("/api/runs").json()["runs"]  # the cookie now rides along
+    assert [(r["name"], r["steps"], r["running"]) for r in runs] == [("a", 2, False)]
+    page = http.get("/").text
+    assert access.csrf in page and access.token not in page
+    # DNS rebinding: another Host, even with the cookie, gets nothing.
+    assert http.get("/api/runs", headers={"host": "evil.example:8765"}).status_code == 400
+
+
+def test_actions_need_the_pages_csrf_token_and_paths_stay_inside_the_runs_directory(
+    client: tuple[TestClient, Access, Path], tmp_path: Path
+) -> None:
+    http, access, root = client
+    http.get(f"/?token={access.token}")
+    assert http.post("/api/validate", json={"config": "run: {name: x}"}).status_code == 403  # no CSRF header
+    secret = _fake_run(tmp_path, "outside")
+    (root / "link").symlink_to(secret)  # a run directory that resolves outside the root
+    for name in ("..", "..%2Foutside", "%2E%2E", "link", ".ui", "nope"):
+        response = http.get(f"/api/runs/{name}")
+        assert response.status_code == 404, (name, response.text)
+    stop = http.post("/api/runs/..%2Foutside/stop", headers={"x-csrf-token": access.csrf})
+    assert stop.status_code == 404
+    assert http.get("/api/runs/a").json()["steps"] == 2
+
+
+def test_validation_gives_the_clis_own_message_and_writes_nothing_outside_the_root(
+    client: tuple[TestClient, Access, Path], tmp_path: Path
+) -> None:
+    http, access, root = client
+    http.get(f"/?token={access.token}")
+    config = "run: {name: x, output_dir: /tmp/elsewhere}\nmodel: {preset: llama-tiny}\ntrain: {lr: -1}\n"
+    refused = http.post("/api/validate", json={"config": config}, headers={"x-csrf-token": access.csrf})
+    assert refused.status_code == 400
+    assert "config:3: train.lr: Input should be greater than 0" in refused.json()["error"]
+    assert not Path("/tmp/elsewhere").exists() or not (Path("/tmp/elsewhere") / "x").exists()
+    assert sorted(p.name for p in (root / ".ui").iterdir()) == ["draft.yaml"]
+
+
+def _chromium() -> str:
+    found = next((shutil.which(name) for name in BROWSERS if shutil.which(name)), None)
+    assert found, "Chromium not found: install Debian's chromium (`apt-get install chromium`; .ci/run does)"
+    return found
+
+
+@pytest.mark.slow
+def test_a_user_builds_launches_watches_stops_and_resumes_a_run_in_a_browser(tmp_path: Path) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    runs = tmp_path / "runs"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "lmforge.cli.main", "ui", "--runs", str(runs), "--port", str(port)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        url = re.search(r"http://\S+", line)
+        assert url, line + server.stdout.read()
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
+            page = browser.new_page()
+            page.goto(url.group(0))
+            expect(page.locator("#editor")).to_be_visible()  # no runs yet: the editor opens
+            expect(page.locator("#problems")).to_contain_text("valid: run my-run", timeout=15_000)
+            config = page.locator("#config")
+            text = config.input_value().replace("lr: 3.0e-3", "lr: -1")
+            config.fill(text)
+            expect(page.locator("#problems")).to_contain_text("train.lr", timeout=15_000)
+            expect(page.locator("#launch")).to_be_disabled()
+            arch = json.dumps(SMALL_ARCH).replace('"', "")
+            text = re.sub(r"config: \{.*\}", f"config: {arch}", text).replace("lr: -1", "lr: 3.0e-3")
+            config.fill(
+                text.replace("max_steps: 30", "max_steps: 80").replace("save_every: 10", "save_every: 1000")
+            )
+            expect(page.locator("#problems")).to_contain_text("valid: run my-run", timeout=15_000)
+            page.click("#launch")
+
+            expect(page.locator("#run-name")).to_have_text("my-run")
+            expect(page.locator("#run-status")).to_have_text("running", timeout=60_000)
+            loss = page.locator('[data-chart="loss"] h3')
+            expect(loss).to_be_visible(timeout=60_000)
+            page.click("#stop")  # SIGTERM: the run checkpoints at the step boundary and exits 0
+            expect(page.locator("#run-status")).to_have_text("interrupted", timeout=60_000)
+            facts = page.locator("#run-facts")
+            expect(facts).to_contain_text("exit code 0", timeout=15_000)
+            expect(facts).to_contain_text("checkpoints: step-")
+            stopped_at = int(re.search(r"step (\d+)", facts.inner_text()).group(1))  # type: ignore[union-attr]
+            assert 0 < stopped_at < 80
+            expect(page.locator("#events")).to_contain_text("signal")
+
+            page.fill("#extend", "90")  # resume, and extend the run to 90 steps
+            page.click("#resume")
+            expect(page.locator("#run-status")).to_have_text("finished", timeout=120_000)
+            expect(facts).to_contain_text("step 90", timeout=15_000)
+            expect(facts).to_contain_text("exit code 0", timeout=15_000)  # the waiter recorded how it ended
+            expect(page.locator("#runs li")).to_have_count(1)
+            browser.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    metrics = [json.loads(line) for line in (runs / "my-run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m["step"] for m in metrics if "loss" in m]
+    assert steps == sorted(set(steps)) and steps[-1] == 90  # resumed, never repeated
+    assert json.loads((runs / ".ui" / "my-run.exit").read_text()) == 0
