@@ -116,19 +116,33 @@ def test_a_user_builds_launches_watches_stops_and_resumes_a_run_in_a_browser(tmp
             browser = playwright.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
             page = browser.new_page()
             page.goto(url.group(0))
-            expect(page.locator("#editor")).to_be_visible()  # no runs yet: the editor opens
+            expect(page.locator("#editor")).to_be_visible()  # no runs yet: the editor opens, on its form
             expect(page.locator("#problems")).to_contain_text("valid: run my-run", timeout=15_000)
-            config = page.locator("#config")
-            text = config.input_value().replace("lr: 3.0e-3", "lr: -1")
-            config.fill(text)
-            expect(page.locator("#problems")).to_contain_text("train.lr", timeout=15_000)
+            expect(page.locator("#estimate")).to_contain_text(
+                "recommended: ddp"
+            )  # lmforge estimate's verdict
+
+            def set_field(key: str, value: str) -> None:
+                field = page.locator(f'#form [data-key="{key}"]')
+                field.fill(value)
+                field.blur()  # the form writes a field on change, as a user leaving it
+
+            set_field("train.lr", "-1")
+            expect(page.locator("#problems")).to_contain_text("train.lr: Input should be greater than 0")
             expect(page.locator("#launch")).to_be_disabled()
-            arch = json.dumps(SMALL_ARCH).replace('"', "")
-            text = re.sub(r"config: \{.*\}", f"config: {arch}", text).replace("lr: -1", "lr: 3.0e-3")
-            config.fill(
-                text.replace("max_steps: 30", "max_steps: 80").replace("save_every: 10", "save_every: 1000")
-            )
+            set_field("train.lr", "0.003")
+            set_field("train.max_steps", "80")
+            set_field("train.save_every", "1000")
             expect(page.locator("#problems")).to_contain_text("valid: run my-run", timeout=15_000)
+            page.click("#tab-yaml")  # the same config as YAML: the form's values are there
+            config = page.locator("#config")
+            text = config.input_value()
+            assert "max_steps: 80" in text and "lr: 0.003" in text and "save_every: 1000" in text, text
+            arch = json.dumps(SMALL_ARCH).replace('"', "")
+            config.fill(re.sub(r"config: \{.*\}", f"config: {arch}", text))
+            expect(page.locator("#problems")).to_contain_text("valid: run my-run", timeout=15_000)
+            page.click("#tab-form")
+            expect(page.locator('#form [data-key="train.max_steps"]')).to_have_value("80")
             page.click("#launch")
 
             expect(page.locator("#run-name")).to_have_text("my-run")
@@ -158,3 +172,30 @@ def test_a_user_builds_launches_watches_stops_and_resumes_a_run_in_a_browser(tmp
     steps = [m["step"] for m in metrics if "loss" in m]
     assert steps == sorted(set(steps)) and steps[-1] == 90  # resumed, never repeated
     assert json.loads((runs / ".ui" / "my-run.exit").read_text()) == 0
+
+
+def test_the_form_is_the_schema_and_edits_the_same_yaml(client: tuple[TestClient, Access, Path]) -> None:
+    http, access, _ = client
+    http.get(f"/?token={access.token}")
+    fields = {f["key"]: f for f in http.get("/api/schema").json()["fields"]}
+    assert fields["train.lr"]["kind"] == "float" and fields["train.lr"]["description"]
+    assert fields["model.dtype"]["choices"] == ["float32", "bfloat16", "float16"]
+    assert fields["data.train"]["kind"] == "yaml" and "data.train.path" not in fields  # a list: YAML only
+    post = {"headers": {"x-csrf-token": access.csrf}}
+    text = "run: {name: x}\ntrain: {lr: 0.1}\n"
+    text = http.post(
+        "/api/config/set", json={"config": text, "key": "train.lora.r", "value": "8"}, **post
+    ).json()["config"]
+    text = http.post("/api/config/set", json={"config": text, "key": "train.lr", "value": ""}, **post).json()[
+        "config"
+    ]
+    assert http.post("/api/config/parse", json={"config": text}, **post).json()["values"] == {
+        "run": {"name": "x"},
+        "train": {"lora": {"r": 8}},
+    }
+    broken = http.post("/api/config/parse", json={"config": "run: [1,"}, **post)
+    assert broken.status_code == 400 and "not valid YAML" in broken.json()["error"]
+    config = (Path(__file__).parents[1] / "examples" / "pretrain_tiny.yaml").read_text()
+    estimate = http.post("/api/estimate", json={"config": config}, **post).json()
+    assert {row["strategy"] for row in estimate["strategies"]} >= {"ddp", "zero3", "fsdp"}
+    assert estimate["recommendation"]["name"] == "ddp" and estimate["parameters"] > 1_000_000

@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from lmforge.errors import UserInputError
 from lmforge.run_layout import RunPaths
+from lmforge.ui.config_form import form_fields, parse, set_key
 from lmforge.ui.runs import RunsRoot, UnknownRun
 from lmforge.ui.security import Access, Guard
 
@@ -68,6 +69,24 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
         runs.resume(request.path_params["name"], int(max_steps) if max_steps else None)
         return JSONResponse({"ok": True})
 
+    async def schema(_: Request) -> Response:
+        return JSONResponse({"fields": form_fields()})
+
+    async def parse_config(request: Request) -> Response:
+        body = await _json(request)
+        return JSONResponse({"ok": True, "values": parse(str(body.get("config", "")))})
+
+    async def set_config_key(request: Request) -> Response:
+        body = await _json(request)
+        text = set_key(str(body.get("config", "")), str(body.get("key", "")), str(body.get("value", "")))
+        return JSONResponse({"ok": True, "config": text})
+
+    async def estimate(request: Request) -> Response:
+        body = await _json(request)
+        return JSONResponse(
+            {"ok": True, **runs.estimate(str(body.get("config", "")), int(body.get("gpus") or 1))}
+        )
+
     async def stream(request: Request) -> Response:
         name = request.path_params["name"]
         run_dir = runs.run_dir(name)
@@ -83,6 +102,10 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
             Route("/api/runs", list_runs),
             Route("/api/runs", launch, methods=["POST"]),
             Route("/api/validate", validate, methods=["POST"]),
+            Route("/api/schema", schema),
+            Route("/api/config/parse", parse_config, methods=["POST"]),
+            Route("/api/config/set", set_config_key, methods=["POST"]),
+            Route("/api/estimate", estimate, methods=["POST"]),
             Route("/api/runs/{name}", run_detail),
             Route("/api/runs/{name}/stream", stream),
             Route("/api/runs/{name}/stop", stop, methods=["POST"]),

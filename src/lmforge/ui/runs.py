@@ -107,6 +107,29 @@ class RunsRoot:
             raise UserInputError(f"run.name {cfg.run.name!r}: use letters, digits, '.', '_' or '-'")
         return cfg.run.name
 
+    def estimate(self, text: str, gpus: int = 1, gpu_mem: str = "80GB") -> dict[str, Any]:
+        """`lmforge estimate`'s strategies and recommendation for the config text, per GPU of `gpu_mem`."""
+        from lmforge.config import load_config
+        from lmforge.distributed.estimate import estimate_memory
+        from lmforge.distributed.planner import overall_recommendation, plan_layouts_for
+        from lmforge.export.safetensors_stream import parse_size
+
+        draft = self._write_config("draft", text)
+        cfg = load_config(draft, [f"run.output_dir={self.root}"], tokenizer_optional=True)
+        result = estimate_memory(cfg, gpus=gpus, gpu_mem_bytes=parse_size(gpu_mem), nodes=1)
+        recommendation = overall_recommendation(result, plan_layouts_for(cfg, result)).to_dict()
+        strategies = [
+            {"strategy": row.strategy, "total_gpu": row.total_gpu, "fits": row.fits}
+            for row in result.strategies
+        ]
+        return {
+            "parameters": result.model.total_params,
+            "gpus": gpus,
+            "gpu_mem": gpu_mem,
+            "strategies": strategies,
+            "recommendation": recommendation,
+        }
+
     def launch(self, text: str) -> str:
         """Start `lmforge train` on the config text; returns the run's name."""
         name = self.validate(text)

@@ -1,0 +1,116 @@
+"""`lmforge ui`, measured in Debian's Chromium through Playwright: page load (navigation start to
+the runs list drawn) and curve lag (a line appended to metrics.jsonl until the loss chart shows
+it), each repeated; screenshots of each page into bench/ui/.
+
+    .venv/bin/python bench/ui_pages.py --runs runs/quickstart --repeats 10
+
+--runs: a directory of finished runs to show (the quickstart's is a good one); the lag is measured on
+a scratch run written next to them (and removed after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHOTS = ROOT / "bench" / "ui"
+BAD_CONFIG = "run: {name: my-run}\nmodel: {preset: llama-tiny}\ntokenizer: {train: {vocab_size: 300}}\n"
+BAD_CONFIG += "data: {train: [{path: 'builtin:python-stdlib'}]}\ntrain: {max_steps: 30, lr: -1}\n"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", required=True)
+    parser.add_argument("--repeats", type=int, default=10)
+    opts = parser.parse_args()
+    from playwright.sync_api import sync_playwright
+
+    runs = Path(opts.runs).resolve()
+    scratch = runs / "ui-bench-lag"
+    shutil.rmtree(scratch, ignore_errors=True)
+    (scratch / "events").mkdir(parents=True)
+    (scratch / "config.yaml").write_text("run: {name: ui-bench-lag}\n")
+    metrics = scratch / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 5.0 - s / 100}) + "\n" for s in range(1, 51)))
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "lmforge.cli.main", "ui", "--runs", str(runs), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        url = server.stdout.readline().split("open ", 1)[1].split()[0]
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(
+                executable_path=shutil.which("chromium"), args=["--no-sandbox"]
+            )
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(url)  # sets the cookie
+            loads = []
+            for _ in range(opts.repeats):
+                start = time.perf_counter()
+                page.goto(url.split("?")[0])
+                page.wait_for_selector("#runs li")
+                loads.append(time.perf_counter() - start)
+            lags = []
+            page.click('#runs li[data-name="ui-bench-lag"]')
+            page.wait_for_selector('[data-chart="loss"]')
+            for i in range(opts.repeats):
+                value = 1.0 + i / 1000
+                with metrics.open("a") as handle:
+                    start = time.perf_counter()
+                    handle.write(json.dumps({"step": 51 + i, "loss": value}) + "\n")
+                page.wait_for_function(
+                    f"document.querySelector('[data-chart=\"loss\"] h3').textContent.includes('{value:.3f}')",
+                    polling="raf",
+                    timeout=10_000,
+                )
+                lags.append(time.perf_counter() - start)
+            SHOTS.mkdir(parents=True, exist_ok=True)
+            first = next(
+                p.name for p in sorted(runs.iterdir()) if (p / "metrics.jsonl").is_file() and p != scratch
+            )
+            page.click(f'#runs li[data-name="{first}"]')
+            page.wait_for_selector('[data-chart="loss"]')
+            page.wait_for_timeout(1500)
+            page.screenshot(path=str(SHOTS / "run.png"), full_page=True)
+            page.click("#new-run")
+            page.fill("#config", BAD_CONFIG)
+            page.wait_for_function("document.querySelector('#problems').textContent.includes('train.lr')")
+            page.screenshot(path=str(SHOTS / "editor.png"), full_page=True)
+            browser.close()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(
+        f"page load (goto -> runs list drawn) s: median {statistics.median(loads):.3f}, max {max(loads):.3f}"
+    )
+    print(
+        f"curve lag (line appended -> chart shows it) s: median {statistics.median(lags):.3f}, max {max(lags):.3f}"
+    )
+    print(f"screenshots: {SHOTS / 'run.png'}, {SHOTS / 'editor.png'}")
+
+
+if __name__ == "__main__":
+    main()
