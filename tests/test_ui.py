@@ -1,7 +1,7 @@
 """`lmforge ui`: who may use it (token, Host, CSRF, paths inside the runs directory), and a user's
 session in a real browser — Debian's Chromium driven by Playwright (pointed at the system browser;
-nothing is downloaded): write a config, see the CLI's error for a bad value, launch, watch the loss
-curve grow, stop (a checkpoint), resume to the end."""
+nothing is downloaded): build a config in the form, see the CLI's error for a bad value, launch,
+watch the loss curve grow, stop (a checkpoint), resume to the end, chat with the result."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 from lmforge.ui.app import create_app
 from lmforge.ui.runs import RunsRoot
 from lmforge.ui.security import Access
-from tests.conftest import SMALL_ARCH
+from tests.conftest import SMALL_ARCH, run_cli
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
@@ -96,6 +96,8 @@ def _chromium() -> str:
 def test_a_user_builds_launches_watches_stops_and_resumes_a_run_in_a_browser(tmp_path: Path) -> None:
     from playwright.sync_api import expect, sync_playwright
 
+    expect.set_options(timeout=30_000)  # two cores shared with the run being watched
+
     runs = tmp_path / "runs"
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -164,6 +166,16 @@ def test_a_user_builds_launches_watches_stops_and_resumes_a_run_in_a_browser(tmp
             expect(facts).to_contain_text("step 90", timeout=15_000)
             expect(facts).to_contain_text("exit code 0", timeout=15_000)  # the waiter recorded how it ended
             expect(page.locator("#runs li")).to_have_count(1)
+
+            # Chat with the result, the same model in both panes: greedy answers, identical.
+            page.click("#open-chat")
+            for pane in ("#pane-a", "#pane-b"):
+                page.select_option(f"{pane} .target", "my-run/final")
+            page.fill("#chat-input", "def main():")
+            page.press("#chat-input", "Enter")
+            for pane in ("#pane-a", "#pane-b"):
+                expect(page.locator(f'{pane} .assistant[data-done="true"]')).to_have_count(1, timeout=60_000)
+            replies = [page.locator(f"{pane} .assistant").inner_text() for pane in ("#pane-a", "#pane-b")]
             browser.close()
     finally:
         server.terminate()
@@ -172,6 +184,9 @@ def test_a_user_builds_launches_watches_stops_and_resumes_a_run_in_a_browser(tmp
     steps = [m["step"] for m in metrics if "loss" in m]
     assert steps == sorted(set(steps)) and steps[-1] == 90  # resumed, never repeated
     assert json.loads((runs / ".ui" / "my-run.exit").read_text()) == 0
+    generated = run_cli("generate", str(runs / "my-run" / "final"), "--prompt", "def main():")
+    assert generated.returncode == 0, generated.stderr
+    assert replies[0] == replies[1] and replies[0].strip() == generated.stdout.strip()  # the CLI's answer
 
 
 def test_the_form_is_the_schema_and_edits_the_same_yaml(client: tuple[TestClient, Access, Path]) -> None:
@@ -199,3 +214,17 @@ def test_the_form_is_the_schema_and_edits_the_same_yaml(client: tuple[TestClient
     estimate = http.post("/api/estimate", json={"config": config}, **post).json()
     assert {row["strategy"] for row in estimate["strategies"]} >= {"ddp", "zero3", "fsdp"}
     assert estimate["recommendation"]["name"] == "ddp" and estimate["parameters"] > 1_000_000
+
+
+def test_chat_requests_are_checked_before_any_model_loads(client: tuple[TestClient, Access, Path]) -> None:
+    http, access, _ = client
+    http.get(f"/?token={access.token}")
+    post = {"headers": {"x-csrf-token": access.csrf}}
+    hello = [{"role": "user", "content": "hi"}]
+    assert http.get("/api/chat/targets").json()["targets"] == []  # run "a" has no final/ yet
+    outside = http.post("/api/chat", json={"target": "../a/final", "messages": hello}, **post)
+    assert outside.status_code == 404
+    nothing = http.post("/api/chat", json={"target": "a/final", "messages": hello}, **post)
+    assert nothing.status_code == 400 and "nothing to chat with" in nothing.json()["error"]
+    bad = http.post("/api/chat", json={"target": "a/final", "messages": [{"role": "robot"}]}, **post)
+    assert bad.status_code == 400 and "role: system|user|assistant" in bad.json()["error"]

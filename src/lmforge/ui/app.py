@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from lmforge.errors import UserInputError
 from lmforge.run_layout import RunPaths
+from lmforge.ui.chat import ChatModels
 from lmforge.ui.config_form import form_fields, parse, set_key
 from lmforge.ui.runs import RunsRoot, UnknownRun
 from lmforge.ui.security import Access, Guard
@@ -32,6 +33,7 @@ STATE_EVERY = 4  # polls between state messages (running, exit code, checkpoints
 
 
 def create_app(runs: RunsRoot, access: Access) -> Guard:
+    chat = ChatModels(runs)
     page = resources.files("lmforge.ui").joinpath("static/index.html").read_text(encoding="utf-8")
     page = page.replace("{{CSRF}}", access.csrf)
 
@@ -87,6 +89,25 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
             {"ok": True, **runs.estimate(str(body.get("config", "")), int(body.get("gpus") or 1))}
         )
 
+    async def chat_targets(_: Request) -> Response:
+        return JSONResponse({"targets": chat.targets()})
+
+    async def chat_reply(request: Request) -> Response:
+        body = await _json(request)
+        target, messages = str(body.get("target", "")), body.get("messages")
+        if not isinstance(messages, list):
+            raise UserInputError("messages: a list of {role, content}")
+        chat.check(target, messages)
+        max_new_tokens = min(int(body.get("max_new_tokens") or 128), 1024)
+        temperature = float(body.get("temperature") or 0.0)
+        if temperature < 0:
+            raise UserInputError("temperature: 0 for greedy, or a positive value")
+        # A sync generator: Starlette iterates it in a worker thread while the model writes.
+        reply = chat.reply(target, messages, max_new_tokens, temperature)
+        return StreamingResponse(
+            reply, media_type="text/plain; charset=utf-8", headers={"cache-control": "no-store"}
+        )
+
     async def stream(request: Request) -> Response:
         name = request.path_params["name"]
         run_dir = runs.run_dir(name)
@@ -106,6 +127,8 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
             Route("/api/config/parse", parse_config, methods=["POST"]),
             Route("/api/config/set", set_config_key, methods=["POST"]),
             Route("/api/estimate", estimate, methods=["POST"]),
+            Route("/api/chat/targets", chat_targets),
+            Route("/api/chat", chat_reply, methods=["POST"]),
             Route("/api/runs/{name}", run_detail),
             Route("/api/runs/{name}/stream", stream),
             Route("/api/runs/{name}/stop", stop, methods=["POST"]),
