@@ -228,3 +228,16 @@ def test_chat_requests_are_checked_before_any_model_loads(client: tuple[TestClie
     assert nothing.status_code == 400 and "nothing to chat with" in nothing.json()["error"]
     bad = http.post("/api/chat", json={"target": "a/final", "messages": [{"role": "robot"}]}, **post)
     assert bad.status_code == 400 and "role: system|user|assistant" in bad.json()["error"]
+
+
+def test_report_and_comparison_pages_are_the_report_packages(client: tuple[TestClient, Access, Path]) -> None:
+    http, access, root = client
+    _fake_run(root, "b")
+    (root / "b" / "config.yaml").write_text("run: {name: b, seed: 7}\n")
+    http.get(f"/?token={access.token}")
+    page = http.get("/runs/a/report")
+    assert page.status_code == 200 and "<title>lmforge report: a" in page.text and "loss" in page.text
+    both = http.get("/compare?run=a&run=b")
+    assert both.status_code == 200 and "run.seed" in both.text  # the config difference, side by side
+    assert http.get("/compare?run=a").status_code == 400
+    assert http.get("/compare?run=a&run=..").status_code == 404

@@ -108,6 +108,23 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
             reply, media_type="text/plain; charset=utf-8", headers={"cache-control": "no-store"}
         )
 
+    async def report(request: Request) -> Response:
+        from lmforge.report.load import load_run
+        from lmforge.report.run_page import render_run
+
+        run = load_run(runs.run_dir(request.path_params["name"]), verify_hashes=False)
+        return HTMLResponse(render_run(run), headers={"cache-control": "no-store"})
+
+    async def compare(request: Request) -> Response:
+        from lmforge.report.compare import render_comparison
+        from lmforge.report.load import load_run
+
+        names = request.query_params.getlist("run")
+        if len(names) < 2:
+            raise UserInputError("compare: choose at least two runs")
+        pages = [load_run(runs.run_dir(name), verify_hashes=False) for name in names]
+        return HTMLResponse(render_comparison(pages), headers={"cache-control": "no-store"})
+
     async def stream(request: Request) -> Response:
         name = request.path_params["name"]
         run_dir = runs.run_dir(name)
@@ -128,6 +145,8 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
             Route("/api/config/set", set_config_key, methods=["POST"]),
             Route("/api/estimate", estimate, methods=["POST"]),
             Route("/api/chat/targets", chat_targets),
+            Route("/runs/{name}/report", report),
+            Route("/compare", compare),
             Route("/api/chat", chat_reply, methods=["POST"]),
             Route("/api/runs/{name}", run_detail),
             Route("/api/runs/{name}/stream", stream),
