@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 from lmforge.ui.app import create_app
 from lmforge.ui.runs import RunsRoot
 from lmforge.ui.security import Access
-from tests.conftest import SMALL_ARCH, run_cli
+from tests.conftest import SMALL_ARCH, run_cli, save_tiny_llama
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
@@ -241,3 +241,52 @@ def test_report_and_comparison_pages_are_the_report_packages(client: tuple[TestC
     assert both.status_code == 200 and "run.seed" in both.text  # the config difference, side by side
     assert http.get("/compare?run=a").status_code == 400
     assert http.get("/compare?run=a&run=..").status_code == 404
+
+
+def test_a_restarted_ui_finds_a_running_run_by_its_lock_and_stops_it(tmp_path: Path) -> None:
+    """The run's process is not the UI's child: any process holding the run's lock is its run."""
+    root = tmp_path / "runs"
+    run = _fake_run(root, "held")
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom pathlib import Path\nfrom lmforge.train.run_lock import RunLock\n"
+            "with RunLock(Path(sys.argv[1])):\n    print('held', flush=True)\n    time.sleep(120)",
+            str(run),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        state = RunsRoot(root).state("held")  # a UI started after the run
+        assert (state.running, state.pid, state.status) == (True, holder.pid, "running")
+        assert RunsRoot(root).stop("held") == holder.pid
+        assert holder.wait(timeout=30) == -15  # SIGTERM
+        assert RunsRoot(root).state("held").running is False
+    finally:
+        holder.kill()
+
+
+def test_the_data_preview_is_prepares_with_loss_tokens_marked(
+    client: tuple[TestClient, Access, Path], tmp_path: Path
+) -> None:
+    from lmforge.config.schema import TokenizerTrainConfig
+    from lmforge.data.tokenizer import train_tokenizer
+
+    http, access, root = client
+    http.get(f"/?token={access.token}")
+    alpaca = Path(__file__).parents[1] / "examples" / "data" / "arithmetic_alpaca.jsonl"
+    tokenizer = train_tokenizer(alpaca.read_text().splitlines(), TokenizerTrainConfig(vocab_size=400))
+    model = save_tiny_llama(tokenizer, tmp_path / "base")
+    config = (
+        f"run: {{name: sft-preview}}\nmodel: {{path: '{model}'}}\n"
+        f"data: {{train: [{{path: '{alpaca}'}}], max_length: 64}}\ntrain: {{stage: sft}}\n"
+    )
+    shown = http.post("/api/preview", json={"config": config}, headers={"x-csrf-token": access.csrf}).json()
+    assert shown["report"]["rows"]["rows_kept"] == 240 and shown["report"]["train"]["supervised_tokens"] > 0
+    sample = shown["samples"][0]["runs"]
+    # The prompt is context, the answer carries the loss: what `prepare --show` prints dim and green.
+    assert [loss for _, loss in sample][:2] == [False, True] and sample[1][0].strip()
+    assert (root / "sft-preview" / "data_report.json").is_file()  # where `lmforge prepare` writes it

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -89,6 +90,15 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
             {"ok": True, **runs.estimate(str(body.get("config", "")), int(body.get("gpus") or 1))}
         )
 
+    async def preview(request: Request) -> Response:
+        body = await _json(request)
+        # The data stage (tokenizer, tokenize, pack) takes seconds: off the event loop, so the
+        # streams of running runs keep flowing.
+        shown = await run_in_threadpool(
+            runs.preview, str(body.get("config", "")), int(body.get("samples") or 2)
+        )
+        return JSONResponse({"ok": True, **shown})
+
     async def chat_targets(_: Request) -> Response:
         return JSONResponse({"targets": chat.targets()})
 
@@ -144,6 +154,7 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
             Route("/api/config/parse", parse_config, methods=["POST"]),
             Route("/api/config/set", set_config_key, methods=["POST"]),
             Route("/api/estimate", estimate, methods=["POST"]),
+            Route("/api/preview", preview, methods=["POST"]),
             Route("/api/chat/targets", chat_targets),
             Route("/runs/{name}/report", report),
             Route("/compare", compare),

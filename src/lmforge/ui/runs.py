@@ -22,12 +22,15 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmforge.errors import UserInputError
 from lmforge.report import list_runs
 from lmforge.report.load import is_run_dir
 from lmforge.train.run_lock import LOCK_NAME
+
+if TYPE_CHECKING:
+    from lmforge.config.schema import LmforgeConfig
 
 UI_DIR = ".ui"  # under the root: the configs the UI launched, console logs, exit codes
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -96,26 +99,18 @@ class RunsRoot:
     # --- acting -----------------------------------------------------------------------------
     def validate(self, text: str) -> str:
         """The config's name after the CLI's own validation; UserInputError with its message."""
-        from lmforge.config import load_config
-
-        draft = self._write_config("draft", text)
-        try:
-            cfg = load_config(draft, [f"run.output_dir={self.root}"])
-        except UserInputError as err:  # the line numbers are the editor's: say "config", not the draft file
-            raise UserInputError(str(err).replace(str(draft), "config")) from None
+        cfg = self._load(text)
         if not _NAME.fullmatch(cfg.run.name):
             raise UserInputError(f"run.name {cfg.run.name!r}: use letters, digits, '.', '_' or '-'")
         return cfg.run.name
 
     def estimate(self, text: str, gpus: int = 1, gpu_mem: str = "80GB") -> dict[str, Any]:
         """`lmforge estimate`'s strategies and recommendation for the config text, per GPU of `gpu_mem`."""
-        from lmforge.config import load_config
         from lmforge.distributed.estimate import estimate_memory
         from lmforge.distributed.planner import overall_recommendation, plan_layouts_for
         from lmforge.export.safetensors_stream import parse_size
 
-        draft = self._write_config("draft", text)
-        cfg = load_config(draft, [f"run.output_dir={self.root}"], tokenizer_optional=True)
+        cfg = self._load(text, tokenizer_optional=True)
         result = estimate_memory(cfg, gpus=gpus, gpu_mem_bytes=parse_size(gpu_mem), nodes=1)
         recommendation = overall_recommendation(result, plan_layouts_for(cfg, result)).to_dict()
         strategies = [
@@ -128,6 +123,23 @@ class RunsRoot:
             "gpu_mem": gpu_mem,
             "strategies": strategies,
             "recommendation": recommendation,
+        }
+
+    def preview(self, text: str, samples: int = 2) -> dict[str, Any]:
+        """`lmforge prepare --show`: the data stage on the config text (its report written where the
+        run will be, its cache reused by the run), and the first samples as (text, carries loss) runs."""
+        from lmforge.data.run_data import first_samples, prepare_run_data, supervised_runs
+
+        _, tokenizer, data = prepare_run_data(self._load(text))
+        shown = [] if data.conversational_rows else first_samples(data, samples)
+        return {
+            "report": data.report,
+            "samples": [
+                {"tokens": len(ids), "runs": supervised_runs(tokenizer, ids, labels)} for ids, labels in shown
+            ],
+            "note": "preference rows are tokenized by TRL at training time"
+            if data.conversational_rows
+            else "",
         }
 
     def launch(self, text: str) -> str:
@@ -190,6 +202,17 @@ class RunsRoot:
                     return None
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
             return None
+
+    def _load(self, text: str, *, tokenizer_optional: bool = False) -> LmforgeConfig:
+        """The editor's config through the CLI's `load_config`, its runs in the root; errors name
+        the editor's lines ("config:3"), not the draft file they were checked in."""
+        from lmforge.config import load_config
+
+        draft = self._write_config("draft", text)
+        try:
+            return load_config(draft, [f"run.output_dir={self.root}"], tokenizer_optional=tokenizer_optional)
+        except UserInputError as err:
+            raise UserInputError(str(err).replace(str(draft), "config")) from None
 
     def _write_config(self, stem: str, text: str) -> Path:
         self.ui_dir.mkdir(parents=True, exist_ok=True)
