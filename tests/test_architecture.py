@@ -17,10 +17,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "lmforge"
 # Top to bottom, as ARCHITECTURE.md draws them. A package imports only packages of a lower rank;
 # packages of one rank do not import each other.
 RANKS = {
-    "cli": 10,
+    "cli": 11,
+    "ui": 10,
     "pipeline": 9,
     "sweep": 9,
-    "ui": 9,
     "train": 8,
     "registry": 8,
     "serve": 8,

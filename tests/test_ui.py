@@ -290,3 +290,25 @@ def test_the_data_preview_is_prepares_with_loss_tokens_marked(
     # The prompt is context, the answer carries the loss: what `prepare --show` prints dim and green.
     assert [loss for _, loss in sample][:2] == [False, True] and sample[1][0].strip()
     assert (root / "sft-preview" / "data_report.json").is_file()  # where `lmforge prepare` writes it
+
+
+def test_a_sweeps_trials_are_runs_and_its_page_is_drawn_from_the_study(
+    client: tuple[TestClient, Access, Path],
+) -> None:
+    import optuna
+
+    http, access, root = client
+    sweep = root / "lr-sweep"
+    _fake_run(sweep, "trial-0000")
+    study = optuna.create_study(study_name="lr", storage=f"sqlite:///{sweep / 'study.db'}")
+    study.set_user_attr("metric", "eval_loss")
+    study.enqueue_trial({"lr": 0.001})
+    trial = study.ask({"lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)})
+    study.tell(trial, 2.0)
+    http.get(f"/?token={access.token}")
+    assert [r["name"] for r in http.get("/api/runs").json()["runs"]] == ["a", "lr-sweep/trial-0000"]
+    assert http.get("/api/runs/lr-sweep%2Ftrial-0000").json()["steps"] == 2
+    assert http.get("/api/sweeps").json()["sweeps"] == ["lr-sweep"]
+    page = http.get("/sweeps/lr-sweep")
+    assert page.status_code == 200 and "eval_loss" in page.text and "0.001" in page.text
+    assert http.get("/sweeps/a").status_code == 404 and http.get("/api/runs/lr-sweep%2F..%2Fa").status_code == 404

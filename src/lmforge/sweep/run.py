@@ -330,6 +330,21 @@ def _write_summary(study: optuna.Study, trial_dirs: dict[int, Path], path: Path)
             )
 
 
+def render_live_page(directory: Path) -> str:
+    """The study page of the sweep in `directory` as its database holds it now, running trials
+    included (sweep.html is written when the sweep ends)."""
+    from lmforge.report.sweep_page import render_sweep
+
+    storage = studies.open_storage(studies.default_storage(directory))
+    names = optuna.get_all_study_names(storage)
+    if len(names) != 1:
+        raise UserInputError(f"{directory / 'study.db'}: {len(names)} studies; a sweep directory holds one")
+    study = optuna.load_study(study_name=names[0], storage=storage)
+    trial_dirs = {t.number: directory / trial_dir_name(studies.original_number(t)) for t in study.trials}
+    metric = str(study.user_attrs.get("metric") or "value")
+    return render_sweep(study, metric=metric, trial_dirs=trial_dirs, page_dir=directory)
+
+
 def _write_page(study: optuna.Study, directory: Path, metric: str, trial_dirs: dict[int, Path]) -> Path:
     from lmforge.report.sweep_page import write_sweep_page
 

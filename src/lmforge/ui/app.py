@@ -135,6 +135,17 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
         pages = [load_run(runs.run_dir(name), verify_hashes=False) for name in names]
         return HTMLResponse(render_comparison(pages), headers={"cache-control": "no-store"})
 
+    async def list_sweeps(_: Request) -> Response:
+        return JSONResponse({"sweeps": runs.sweeps()})
+
+    async def sweep_page(request: Request) -> Response:
+        from lmforge.sweep.run import render_live_page
+
+        directory = runs.sweep_dir(request.path_params["name"])
+        return HTMLResponse(
+            await run_in_threadpool(render_live_page, directory), headers={"cache-control": "no-store"}
+        )
+
     async def stream(request: Request) -> Response:
         name = request.path_params["name"]
         run_dir = runs.run_dir(name)
@@ -156,13 +167,17 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
             Route("/api/estimate", estimate, methods=["POST"]),
             Route("/api/preview", preview, methods=["POST"]),
             Route("/api/chat/targets", chat_targets),
-            Route("/runs/{name}/report", report),
+            Route("/runs/{name:path}/report", report),
             Route("/compare", compare),
             Route("/api/chat", chat_reply, methods=["POST"]),
-            Route("/api/runs/{name}", run_detail),
-            Route("/api/runs/{name}/stream", stream),
-            Route("/api/runs/{name}/stop", stop, methods=["POST"]),
-            Route("/api/runs/{name}/resume", resume, methods=["POST"]),
+            # A sweep's trials are runs one level down (`sweep/trial-0000`): names are paths, and the
+            # routes with a suffix come first.
+            Route("/api/runs/{name:path}/stream", stream),
+            Route("/api/runs/{name:path}/stop", stop, methods=["POST"]),
+            Route("/api/runs/{name:path}/resume", resume, methods=["POST"]),
+            Route("/api/runs/{name:path}", run_detail),
+            Route("/api/sweeps", list_sweeps),
+            Route("/sweeps/{name}", sweep_page),
         ],
         exception_handlers={UnknownRun: _not_found, UserInputError: _refused},
     )

@@ -68,11 +68,13 @@ class RunsRoot:
     # --- reading ----------------------------------------------------------------------------
     def runs(self) -> list[RunState]:
         rows = list_runs(self.root) if self.root.is_dir() else []
-        return [self._state(row.name, Path(row.path), row) for row in rows]
+        return [self._state(self._name(Path(row.path)), Path(row.path), row) for row in rows]
 
     def run_dir(self, name: str) -> Path:
-        """The run directory `name` names inside the root; UnknownRun for anything else."""
-        if not _NAME.fullmatch(name) or name == UI_DIR:
+        """The run directory `name` names inside the root (a sweep's trials one level down:
+        `sweep/trial-0000`); UnknownRun for anything else."""
+        parts = name.split("/")
+        if len(parts) > 2 or not all(_NAME.fullmatch(part) for part in parts) or parts[0] == UI_DIR:
             raise UnknownRun(f"{name!r}: not a run name (letters, digits, '.', '_', '-')")
         path = (self.root / name).resolve()
         if not path.is_relative_to(self.root) or not is_run_dir(path):
@@ -81,8 +83,25 @@ class RunsRoot:
 
     def state(self, name: str) -> RunState:
         path = self.run_dir(name)
-        row = next((r for r in list_runs(self.root) if Path(r.path).resolve() == path), None)
+        row = next((r for r in list_runs(path)), None)
         return self._state(name, path, row)
+
+    def sweep_dir(self, name: str) -> Path:
+        """The sweep directory `name` names inside the root (one holding study.db)."""
+        path = (self.root / name).resolve()
+        if (
+            not _NAME.fullmatch(name)
+            or not path.is_relative_to(self.root)
+            or not (path / "study.db").is_file()
+        ):
+            raise UnknownRun(f"{name}: no sweep of that name under {self.root}")
+        return path
+
+    def sweeps(self) -> list[str]:
+        return sorted(p.parent.name for p in self.root.glob("*/study.db") if _NAME.fullmatch(p.parent.name))
+
+    def _name(self, path: Path) -> str:
+        return path.resolve().relative_to(self.root).as_posix()
 
     def console_tail(self, name: str) -> str:
         log = self.ui_dir / f"{name}.console.log"
