@@ -87,17 +87,21 @@ def main() -> None:
                 )
                 lags.append(time.perf_counter() - start)
             SHOTS.mkdir(parents=True, exist_ok=True)
-            first = next(
-                p.name for p in sorted(runs.iterdir()) if (p / "metrics.jsonl").is_file() and p != scratch
-            )
+            shutil.rmtree(scratch)  # the screenshots show the runs as they are
+            page.goto(url.split("?")[0])
+            first = next(p.name for p in sorted(runs.iterdir()) if (p / "metrics.jsonl").is_file())
             page.click(f'#runs li[data-name="{first}"]')
             page.wait_for_selector('[data-chart="loss"]')
             page.wait_for_timeout(1500)
             page.screenshot(path=str(SHOTS / "run.png"), full_page=True)
             page.click("#new-run")
+            page.click("#tab-yaml")
             page.fill("#config", BAD_CONFIG)
             page.wait_for_function("document.querySelector('#problems').textContent.includes('train.lr')")
-            page.screenshot(path=str(SHOTS / "editor.png"), full_page=True)
+            page.screenshot(path=str(SHOTS / "editor.png"))
+            page.click("#tab-form")
+            page.wait_for_selector('#form [data-key="train.lr"]')
+            page.screenshot(path=str(SHOTS / "form.png"))
             browser.close()
     finally:
         server.terminate()
@@ -109,7 +113,7 @@ def main() -> None:
     print(
         f"curve lag (line appended -> chart shows it) s: median {statistics.median(lags):.3f}, max {max(lags):.3f}"
     )
-    print(f"screenshots: {SHOTS / 'run.png'}, {SHOTS / 'editor.png'}")
+    print(f"screenshots: {SHOTS / 'run.png'}, {SHOTS / 'editor.png'}, {SHOTS / 'form.png'}")
 
 
 if __name__ == "__main__":

@@ -311,4 +311,7 @@ def test_a_sweeps_trials_are_runs_and_its_page_is_drawn_from_the_study(
     assert http.get("/api/sweeps").json()["sweeps"] == ["lr-sweep"]
     page = http.get("/sweeps/lr-sweep")
     assert page.status_code == 200 and "eval_loss" in page.text and "0.001" in page.text
-    assert http.get("/sweeps/a").status_code == 404 and http.get("/api/runs/lr-sweep%2F..%2Fa").status_code == 404
+    assert (
+        http.get("/sweeps/a").status_code == 404
+        and http.get("/api/runs/lr-sweep%2F..%2Fa").status_code == 404
+    )

@@ -23,14 +23,17 @@ def form_fields() -> list[dict[str, Any]]:
     """Every config key as a form field: its section, kind (choice, bool, int, float, text, or yaml
     for lists, mappings and nested sections edited as YAML), choices, default and description. The
     keys inside a list (data.train's sources, the rewards) are the YAML view's."""
+    rows = schema_rows()
+    parents = {key.rsplit(".", 1)[0] for key, *_ in rows if "." in key}
     fields: list[dict[str, Any]] = []
     lists: list[str] = []  # keys holding a list of sections: their fields are edited in the YAML
-    for key, type_text, default, description in schema_rows():
+    for key, type_text, default, description in rows:
         if any(key.startswith(prefix + ".") for prefix in lists):
             continue
         if type_text.startswith("list of "):
             lists.append(key)
-        if type_text == "section":
+        # An optional subsection (model.moe: MoeConfig | None) is a section of the form too.
+        if type_text == "section" or (key in parents and key not in lists):
             fields.append({"key": key, "kind": "section", "description": description})
             continue
         fields.append({"key": key, "description": description, "default": default, **_kind(type_text)})
