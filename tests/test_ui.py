@@ -71,6 +71,15 @@ def test_actions_need_the_pages_csrf_token_and_paths_stay_inside_the_runs_direct
     stop = http.post("/api/runs/..%2Foutside/stop", headers={"x-csrf-token": access.csrf})
     assert stop.status_code == 404
     assert http.get("/api/runs/a").json()["steps"] == 2
+    assert [r["name"] for r in http.get("/api/runs").json()["runs"]] == [
+        "a"
+    ]  # the symlinked run is not listed
+    # A config may not make the UI write outside its runs directory.
+    elsewhere = "run: {name: x}\nmodel: {preset: llama-tiny}\ntokenizer: {train: {vocab_size: 300}}\n"
+    elsewhere += f"data: {{train: [{{path: corpus.txt}}], cache_dir: {tmp_path / 'elsewhere'}}}\n"
+    refused = http.post("/api/validate", json={"config": elsewhere}, headers={"x-csrf-token": access.csrf})
+    assert refused.status_code == 400 and "data.cache_dir" in refused.json()["error"]
+    assert "outside the UI's runs directory" in refused.json()["error"]
 
 
 def test_validation_gives_the_clis_own_message_and_writes_nothing_outside_the_root(
@@ -241,6 +250,25 @@ def test_report_and_comparison_pages_are_the_report_packages(client: tuple[TestC
     assert both.status_code == 200 and "run.seed" in both.text  # the config difference, side by side
     assert http.get("/compare?run=a").status_code == 400
     assert http.get("/compare?run=a&run=..").status_code == 404
+
+
+def test_a_launch_refused_before_its_run_directory_exists_reports_its_exit_and_message(
+    tmp_path: Path,
+) -> None:
+    """A config load_config accepts and `lmforge train` refuses (its data file is missing): no run
+    directory ever appears, and the launch's exit code and message are what the page shows."""
+    import time
+
+    root = RunsRoot(tmp_path / "runs", cwd=tmp_path)
+    config = "run: {name: nodata}\nmodel: {preset: llama-tiny}\ntokenizer: {train: {vocab_size: 300}}\n"
+    config += "data: {train: [{path: missing.jsonl}]}\ntrain: {max_steps: 2}\n"
+    assert root.launch(config) == "nodata"
+    deadline = time.monotonic() + 120
+    while root.launch_status("nodata")["exit_code"] is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    status = root.launch_status("nodata")
+    assert status["exit_code"] == 2 and "missing.jsonl" in status["console"], status
+    assert "Traceback" not in status["console"]
 
 
 def test_a_restarted_ui_finds_a_running_run_by_its_lock_and_stops_it(tmp_path: Path) -> None:

@@ -135,6 +135,9 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
         pages = [load_run(runs.run_dir(name), verify_hashes=False) for name in names]
         return HTMLResponse(render_comparison(pages), headers={"cache-control": "no-store"})
 
+    async def launch_status(request: Request) -> Response:
+        return JSONResponse(runs.launch_status(request.path_params["name"]))
+
     async def list_sweeps(_: Request) -> Response:
         return JSONResponse({"sweeps": runs.sweeps()})
 
@@ -177,6 +180,7 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
             Route("/api/runs/{name:path}/resume", resume, methods=["POST"]),
             Route("/api/runs/{name:path}", run_detail),
             Route("/api/sweeps", list_sweeps),
+            Route("/api/launches/{name}", launch_status),
             Route("/sweeps/{name}", sweep_page),
         ],
         exception_handlers={UnknownRun: _not_found, UserInputError: _refused},

@@ -68,7 +68,10 @@ class RunsRoot:
     # --- reading ----------------------------------------------------------------------------
     def runs(self) -> list[RunState]:
         rows = list_runs(self.root) if self.root.is_dir() else []
-        return [self._state(self._name(Path(row.path)), Path(row.path), row) for row in rows]
+        inside = [
+            row for row in rows if Path(row.path).resolve().is_relative_to(self.root)
+        ]  # no symlinks out
+        return [self._state(self._name(Path(row.path)), Path(row.path), row) for row in inside]
 
     def run_dir(self, name: str) -> Path:
         """The run directory `name` names inside the root (a sweep's trials one level down:
@@ -110,6 +113,17 @@ class RunsRoot:
         with log.open("rb") as handle:
             handle.seek(max(0, log.stat().st_size - _TAIL_BYTES))
             return handle.read().decode("utf-8", "replace")
+
+    def launch_status(self, name: str) -> dict[str, Any]:
+        """How a launch the UI started has gone before its run directory exists: its exit code once
+        it ended (a config `lmforge train` refused before writing anything) and its console."""
+        if not _NAME.fullmatch(name):
+            raise UnknownRun(f"{name!r}: not a run name")
+        exit_file = self.ui_dir / f"{name}.exit"
+        return {
+            "exit_code": int(exit_file.read_text()) if exit_file.is_file() else None,
+            "console": self.console_tail(name),
+        }
 
     def config_text(self, name: str) -> str:
         config = self.run_dir(name) / "config.yaml"
@@ -229,9 +243,19 @@ class RunsRoot:
 
         draft = self._write_config("draft", text)
         try:
-            return load_config(draft, [f"run.output_dir={self.root}"], tokenizer_optional=tokenizer_optional)
+            cfg = load_config(draft, [f"run.output_dir={self.root}"], tokenizer_optional=tokenizer_optional)
         except UserInputError as err:
             raise UserInputError(str(err).replace(str(draft), "config")) from None
+        # The UI writes only under its runs directory (and lmforge's own cache, when unset).
+        store = cfg.data.store.path if cfg.data.store is not None else None
+        written = {"data.cache_dir": cfg.data.cache_dir, "data.store.path": store}
+        for key, value in written.items():
+            if value is not None and not (self.cwd / value).resolve().is_relative_to(self.root):
+                raise UserInputError(
+                    f"{key}: {value} is outside the UI's runs directory {self.root}, and the UI writes nowhere "
+                    "else. Fix: a directory inside it, or leave the key unset (lmforge's own cache)"
+                )
+        return cfg
 
     def _write_config(self, stem: str, text: str) -> Path:
         self.ui_dir.mkdir(parents=True, exist_ok=True)
