@@ -293,13 +293,13 @@ _REFERENCE_ANSWERS: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
 def _greedy(model: Artifact, prompt_ids: list[int], new_tokens: int, *, cache: bool) -> list[int]:
     if not cache:
         return model.runtime.greedy(prompt_ids, new_tokens)
-    key = (_fingerprint(Path(model.path)), tuple(prompt_ids), new_tokens)
+    key = (model_fingerprint(Path(model.path)), tuple(prompt_ids), new_tokens)
     if key not in _REFERENCE_ANSWERS:
         _REFERENCE_ANSWERS[key] = model.runtime.greedy(prompt_ids, new_tokens)
     return _REFERENCE_ANSWERS[key]
 
 
-def _fingerprint(path: Path) -> str:
+def model_fingerprint(path: Path) -> str:
     """The path and the newest modification time of its files: a model rewritten in place is
     another model."""
     files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]

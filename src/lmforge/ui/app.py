@@ -2,7 +2,9 @@
 stack through MLflow) serving one page and a small JSON API, and a server-sent-events stream per
 run that follows metrics.jsonl, the events and the run's state as they grow.
 
-Every action goes through the code the CLI runs: validation is `load_config` (the CLI's messages),
+Work that reads runs or loads configs runs in Starlette's threadpool (sync endpoints, or
+`run_in_threadpool`), so the event loop keeps every run's stream flowing. Every action goes
+through the code the CLI runs: validation is `load_config` (the CLI's messages),
 a launch is `lmforge train`, a stop is the SIGTERM the CLI's own signal handling turns into a
 checkpoint. See ARCHITECTURE.md for why a small ASGI app and not Gradio.
 """
@@ -42,9 +44,11 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
         return HTMLResponse(page, headers={"cache-control": "no-store"})
 
     async def list_runs(_: Request) -> Response:
-        return JSONResponse({"root": str(runs.root), "runs": [r.to_json() for r in runs.runs()]})
+        return JSONResponse(
+            {"root": str(runs.root), "runs": [r.to_json() for r in await run_in_threadpool(runs.runs)]}
+        )
 
-    async def run_detail(request: Request) -> Response:
+    def run_detail(request: Request) -> Response:  # sync endpoints run in Starlette's threadpool
         name = request.path_params["name"]
         return JSONResponse(
             {
@@ -57,11 +61,15 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
 
     async def validate(request: Request) -> Response:
         body = await _json(request)
-        return JSONResponse({"ok": True, "name": runs.validate(str(body.get("config", "")))})
+        return JSONResponse(
+            {"ok": True, "name": await run_in_threadpool(runs.validate, str(body.get("config", "")))}
+        )
 
     async def launch(request: Request) -> Response:
         body = await _json(request)
-        return JSONResponse({"ok": True, "name": runs.launch(str(body.get("config", "")))})
+        return JSONResponse(
+            {"ok": True, "name": await run_in_threadpool(runs.launch, str(body.get("config", "")))}
+        )
 
     async def stop(request: Request) -> Response:
         return JSONResponse({"ok": True, "pid": runs.stop(request.path_params["name"])})
@@ -69,7 +77,9 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
     async def resume(request: Request) -> Response:
         body = await _json(request)
         max_steps = body.get("max_steps")
-        runs.resume(request.path_params["name"], int(max_steps) if max_steps else None)
+        await run_in_threadpool(
+            runs.resume, request.path_params["name"], int(max_steps) if max_steps else None
+        )
         return JSONResponse({"ok": True})
 
     async def schema(_: Request) -> Response:
@@ -86,9 +96,10 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
 
     async def estimate(request: Request) -> Response:
         body = await _json(request)
-        return JSONResponse(
-            {"ok": True, **runs.estimate(str(body.get("config", "")), int(body.get("gpus") or 1))}
+        shown = await run_in_threadpool(
+            runs.estimate, str(body.get("config", "")), int(body.get("gpus") or 1)
         )
+        return JSONResponse({"ok": True, **shown})
 
     async def preview(request: Request) -> Response:
         body = await _json(request)
@@ -118,14 +129,14 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
             reply, media_type="text/plain; charset=utf-8", headers={"cache-control": "no-store"}
         )
 
-    async def report(request: Request) -> Response:
+    def report(request: Request) -> Response:
         from lmforge.report.load import load_run
         from lmforge.report.run_page import render_run
 
         run = load_run(runs.run_dir(request.path_params["name"]), verify_hashes=False)
         return HTMLResponse(render_run(run), headers={"cache-control": "no-store"})
 
-    async def compare(request: Request) -> Response:
+    def compare(request: Request) -> Response:
         from lmforge.report.compare import render_comparison
         from lmforge.report.load import load_run
 

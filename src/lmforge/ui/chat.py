@@ -15,6 +15,7 @@ from typing import Any
 
 from lmforge.errors import UserInputError
 from lmforge.export.runtimes import gguf_file
+from lmforge.export.verify import model_fingerprint
 from lmforge.ui.runs import RunsRoot
 
 LOADED = 2
@@ -23,7 +24,7 @@ LOADED = 2
 class ChatModels:
     def __init__(self, runs: RunsRoot) -> None:
         self.runs = runs
-        self._loaded: OrderedDict[tuple[str, int], Any] = OrderedDict()
+        self._loaded: OrderedDict[str, Any] = OrderedDict()
         self._lock = Lock()  # one generation at a time: two on two cores only slow each other
 
     def targets(self) -> list[dict[str, str]]:
@@ -73,7 +74,7 @@ class ChatModels:
         raise UserInputError(f"{target}: nothing to chat with there (a run's final/ or its GGUF export)")
 
     def _load(self, path: Path, kind: str) -> Any:
-        key = (str(path), _newest_change(path))
+        key = model_fingerprint(path)  # a model rewritten on disk is loaded again
         if key in self._loaded:
             self._loaded.move_to_end(key)
             return self._loaded[key]
@@ -134,8 +135,3 @@ def _check_messages(messages: list[dict[str, str]]) -> None:
 
 def _has_model(path: Path) -> bool:
     return (path / "config.json").is_file() or (path / "adapter" / "adapter_config.json").is_file()
-
-
-def _newest_change(path: Path) -> int:
-    files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
-    return max((f.stat().st_mtime_ns for f in files), default=0)
