@@ -265,3 +265,12 @@ def test_streaming_and_store_settings_that_cannot_work_are_refused_naming_the_ke
 def test_the_store_holds_pretraining_text_only(tmp_path: Path) -> None:
     errors = errors_of(write(tmp_path, VALID), ["train.stage=dpo", "data.store.tasks=2"])
     assert "data.store" in errors and "pretraining text" in errors
+
+
+def test_a_shorthand_value_is_quoted_as_written(tmp_path: Path) -> None:
+    """`optimizer: adamw_torch` (the HF Trainer's name) fails at `train.optimizer.name`, a key the
+    file does not spell out: the message still quotes what the user wrote."""
+    text = VALID.replace("max_steps: 3", "max_steps: 3\n  optimizer: adamw_torch")
+    message = errors_of(write(tmp_path, text))
+    assert "train.optimizer.name: Input should be 'adamw'" in message
+    assert "got 'adamw_torch'" in message

@@ -135,26 +135,47 @@ def test_guardrails_skip_and_gpu_metrics_under_bf16_on_cuda(tmp_path: Path) -> N
     assert isinstance(last["loss"], float)  # the NaN did not stick
 
 
-@pytest.mark.parametrize("optimizer", ["paged_adamw_8bit", "paged_adamw_32bit"])
-def test_paged_adamw_lowers_the_loss_and_resumes_after_sigkill_on_cuda(
-    tmp_path: Path, optimizer: str
+@pytest.fixture(scope="module")
+def adamw_curve_on_cuda(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The same tiny run under torch's AdamW on this GPU: the curve a paged AdamW should follow."""
+    from tests.conftest import run_cli
+    from tests.test_training_recipe import losses, write_config
+
+    path = tmp_path_factory.mktemp("adamw")
+    result = run_cli("train", str(write_config(path, {"optimizer": "adamw", "lr": 3e-3})))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return losses(path / "runs" / "run")
+
+
+# How far each paged AdamW's loss may stray from torch AdamW's at any of the 7 steps: the 32-bit one
+# is AdamW's arithmetic in another kernel, the 8-bit one quantizes the moments. Seen on an H200
+# (2026-11-28): at most 7e-6 and 3.4e-5 (bench/RESULTS.md); the bounds keep a 10-30x margin.
+PAGED_TOLERANCE = {"paged_adamw_32bit": 1e-4, "paged_adamw_8bit": 1e-3}
+
+
+@pytest.mark.parametrize("optimizer", sorted(PAGED_TOLERANCE))
+def test_paged_adamw_follows_adamw_and_resumes_after_sigkill_on_cuda(
+    tmp_path: Path, optimizer: str, adamw_curve_on_cuda: dict[int, float]
 ) -> None:
-    """bitsandbytes' paged AdamW (its states in CUDA unified memory) trains the tiny model and its
-    state resumes like AdamW's. The resumed curve is compared to 1e-5, not bit for bit: CUDA's
-    attention backward adds with atomics, so two GPU runs of the same steps may differ in the last bit."""
+    """bitsandbytes' paged AdamW (its states in CUDA unified memory) trains the tiny model along
+    torch AdamW's curve and its state resumes. The resumed curve is compared to 1e-5, not bit for
+    bit: CUDA's attention backward adds with atomics, so two GPU runs may differ in the last bit."""
     from tests.test_training_recipe import killed_and_resumed, losses
 
     reference, resumed, _ = killed_and_resumed(tmp_path, {"optimizer": optimizer, "lr": 3e-3})
     expected, got = losses(reference), losses(resumed)
+    print(optimizer, "losses", expected, "adamw", adamw_curve_on_cuda)
     assert sorted(got) == sorted(expected) == list(range(1, 8))
     assert all(abs(got[step] - loss) <= 1e-5 * abs(loss) for step, loss in expected.items()), (expected, got)
-    assert expected[7] < expected[1] - 0.2, expected
+    assert all(
+        abs(loss - adamw_curve_on_cuda[step]) <= PAGED_TOLERANCE[optimizer] for step, loss in expected.items()
+    ), (expected, adamw_curve_on_cuda)
+    assert expected[7] < expected[1] - 0.1, expected
     state = torch.load(
         next((reference / "checkpoints").glob("step-*")) / "optimizer.pt",
         map_location="cpu",
         weights_only=True,
     )
-    print(optimizer, "losses", expected)
     assert state["state"], "the checkpoint holds no optimizer state"
 
 

@@ -260,7 +260,9 @@ def _explain(error: Any, source: str, lines: dict[KeyPath, int], raw: dict[str, 
         return max(line or 0, 0), f"{where}: required key is missing; add it (see `lmforge config schema`)"
     message = error["msg"].removeprefix("Value error, ")
     if loc and kind != "value_error":
-        message = f"{message}, got {_value_at(raw, loc)!r}"
+        # pydantic's own input first: a shorthand (`optimizer: adamw_torch`) fails at a key
+        # (`optimizer.name`) that the YAML does not spell out.
+        message = f"{message}, got {error.get('input', _value_at(raw, loc))!r}"
     return max(line or 0, 0), f"{where}: {message}"
 
 
