@@ -9,7 +9,7 @@ STAMP := $(VENV)/.lmforge-installed
 # and installed first so nothing else can choose another.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test test-fast test-integration lint format bench clean
+.PHONY: install browser demo test test-fast test-integration lint format bench clean
 
 install: $(STAMP)
 
@@ -23,7 +23,14 @@ $(STAMP): pyproject.toml constraints.txt
 demo: install
 	$(VENV)/bin/lmforge quickstart --out runs/quickstart
 
-test: install
+# The report's and the UI's browser tests drive Debian's Chromium (its package brings the fonts);
+# Playwright is pointed at it, so nothing is downloaded outside the package registries.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
+
+test: install browser
 	$(PY) -m pytest -q -m "not gpu and not integration" --durations=40
 
 test-fast: install

@@ -2,10 +2,11 @@
 the runs list drawn) and curve lag (a line appended to metrics.jsonl until the loss chart shows
 it), each repeated; screenshots of each page into bench/ui/.
 
-    .venv/bin/python bench/ui_pages.py --runs runs/quickstart --repeats 10
+    .venv/bin/python bench/ui_pages.py --runs runs/quickstart --registry registry --repeats 10
 
 --runs: a directory of finished runs to show (the quickstart's is a good one); the lag is measured on
-a scratch run written next to them (and removed after).
+a scratch run written next to them (and removed after). --registry: a registry directory with at
+least one pushed model (`lmforge push runs/quickstart/sft --to registry`), for its page.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--runs", required=True)
+    parser.add_argument("--registry", default="registry")
     parser.add_argument("--repeats", type=int, default=10)
     opts = parser.parse_args()
     from playwright.sync_api import sync_playwright
@@ -52,7 +54,8 @@ def main() -> None:
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "lmforge.cli.main", "ui", "--runs", str(runs), "--port", str(port)],
+        [sys.executable, "-m", "lmforge.cli.main", "ui", "--runs", str(runs), "--port", str(port)]
+        + ["--registry", str(Path(opts.registry).resolve())],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -94,6 +97,19 @@ def main() -> None:
             page.wait_for_selector('[data-chart="loss"]')
             page.wait_for_timeout(1500)
             page.screenshot(path=str(SHOTS / "run.png"), full_page=True)
+            names = [p.name for p in sorted(runs.iterdir()) if (p / "metrics.jsonl").is_file()]
+            for name in names[:2]:
+                page.locator(f'#runs li[data-name="{name}"] .pick').check()
+            page.click("#watch")
+            page.wait_for_selector('#watch-charts [data-chart="loss"]')
+            page.wait_for_timeout(1500)
+            page.screenshot(path=str(SHOTS / "watch.png"), full_page=True)
+            page.click("#open-registry")
+            page.locator("#registry-models button").first.click()
+            page.wait_for_selector("#registry-version .card")
+            page.click("#registry-version .verify")
+            page.wait_for_function("document.querySelector('.integrity').textContent.includes('re-hashed')")
+            page.screenshot(path=str(SHOTS / "registry.png"), full_page=True)
             page.click("#new-run")
             page.click("#tab-yaml")
             page.fill("#config", BAD_CONFIG)
@@ -113,7 +129,9 @@ def main() -> None:
     print(
         f"curve lag (line appended -> chart shows it) s: median {statistics.median(lags):.3f}, max {max(lags):.3f}"
     )
-    print(f"screenshots: {SHOTS / 'run.png'}, {SHOTS / 'editor.png'}, {SHOTS / 'form.png'}")
+    print(
+        f"screenshots: {', '.join(str(SHOTS / n) for n in ('run.png', 'watch.png', 'registry.png', 'editor.png', 'form.png'))}"
+    )
 
 
 if __name__ == "__main__":

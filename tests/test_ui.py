@@ -1,7 +1,9 @@
-"""`lmforge ui`: who may use it (token, Host, CSRF, paths inside the runs directory), and a user's
-session in a real browser — Debian's Chromium driven by Playwright (pointed at the system browser;
-nothing is downloaded): build a config in the form, see the CLI's error for a bad value, launch,
-watch the loss curve grow, stop (a checkpoint), resume to the end, chat with the result."""
+"""`lmforge ui`: who may use it (token, Host, CSRF, paths inside the runs and registry directories),
+and a user's session in a real browser — Debian's Chromium driven by Playwright (pointed at the
+system browser; nothing is downloaded): build a config in the form, see the CLI's error for a bad
+value, launch it on two processes, watch the loss curve grow, stop (a checkpoint on every rank),
+resume to the end, compare and watch two runs, read doctor's findings, browse the registry, chat
+with the result."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from lmforge.ui.app import create_app
+from lmforge.ui.registry import RegistryView
 from lmforge.ui.runs import RunsRoot
 from lmforge.ui.security import Access
 from tests.conftest import SMALL_ARCH, run_cli, save_tiny_llama
@@ -38,7 +41,8 @@ def client(tmp_path: Path) -> Iterator[tuple[TestClient, Access, Path]]:
     root = tmp_path / "runs"
     _fake_run(root, "a")
     access = Access("127.0.0.1", 8765)
-    with TestClient(create_app(RunsRoot(root), access), base_url="http://127.0.0.1:8765") as test_client:
+    app = create_app(RunsRoot(root), access, RegistryView(tmp_path / "registry"))
+    with TestClient(app, base_url="http://127.0.0.1:8765") as test_client:
         yield test_client, access, root
 
 
@@ -108,6 +112,8 @@ def test_a_user_builds_launches_watches_stops_and_resumes_a_run_in_a_browser(tmp
     expect.set_options(timeout=30_000)  # two cores shared with the run being watched
 
     runs = tmp_path / "runs"
+    baseline = _fake_run(runs, "baseline")  # an earlier run to compare with and watch beside
+    (baseline / "config.yaml").write_text("run: {name: baseline, seed: 7}\n")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -127,7 +133,9 @@ def test_a_user_builds_launches_watches_stops_and_resumes_a_run_in_a_browser(tmp
             browser = playwright.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
             page = browser.new_page()
             page.goto(url.group(0))
-            expect(page.locator("#editor")).to_be_visible()  # no runs yet: the editor opens, on its form
+            expect(page.locator("#run-name")).to_have_text("baseline")  # the UI opens the first run
+            page.click("#new-run")
+            expect(page.locator("#editor")).to_be_visible()  # a new run is built on the form
             expect(page.locator("#problems")).to_contain_text("valid: run my-run", timeout=15_000)
             expect(page.locator("#estimate")).to_contain_text(
                 "recommended: ddp"
@@ -140,8 +148,11 @@ def test_a_user_builds_launches_watches_stops_and_resumes_a_run_in_a_browser(tmp
 
             set_field("train.lr", "-1")
             expect(page.locator("#problems")).to_contain_text("train.lr: Input should be greater than 0")
+            lr_field = page.locator('#form label.field:has([data-key="train.lr"]) .field-error')
+            expect(lr_field).to_contain_text("train.lr: Input should be greater than 0")  # next to the field
             expect(page.locator("#launch")).to_be_disabled()
             set_field("train.lr", "0.003")
+            expect(lr_field).to_have_count(0)
             set_field("train.max_steps", "80")
             set_field("train.save_every", "1000")
             expect(page.locator("#problems")).to_contain_text("valid: run my-run", timeout=15_000)
@@ -154,16 +165,24 @@ def test_a_user_builds_launches_watches_stops_and_resumes_a_run_in_a_browser(tmp
             expect(page.locator("#problems")).to_contain_text("valid: run my-run", timeout=15_000)
             page.click("#tab-form")
             expect(page.locator('#form [data-key="train.max_steps"]')).to_have_value("80")
-            page.click("#launch")
+            page.fill("#processes", "2")  # lmforge launch --nproc-per-node 2: a DDP run on gloo
+            page.click(
+                "#launch"
+            )  # straight from the field, as a user would: its change must not eat the click
 
             expect(page.locator("#run-name")).to_have_text("my-run")
             expect(page.locator("#run-status")).to_have_text("running", timeout=60_000)
             loss = page.locator('[data-chart="loss"] h3')
             expect(loss).to_be_visible(timeout=60_000)
-            page.click("#stop")  # SIGTERM: the run checkpoints at the step boundary and exits 0
+            # SIGTERM to rank 0: the ranks agree to stop at one step boundary, checkpoint, exit 0.
+            page.click("#stop")
             expect(page.locator("#run-status")).to_have_text("interrupted", timeout=60_000)
             facts = page.locator("#run-facts")
-            expect(facts).to_contain_text("exit code 0", timeout=15_000)
+            expect(facts).to_contain_text("exit code 0", timeout=60_000)
+            expect(facts).to_contain_text("2 processes (lmforge launch)")
+            page.click("#new-run")
+            expect(page.locator("#estimate")).to_contain_text("2 GPUs")  # the estimate follows the processes
+            page.locator('#runs li[data-name="my-run"]').click()
             expect(facts).to_contain_text("checkpoints: step-")
             stopped_at = int(re.search(r"step (\d+)", facts.inner_text()).group(1))  # type: ignore[union-attr]
             assert 0 < stopped_at < 80
@@ -174,7 +193,31 @@ def test_a_user_builds_launches_watches_stops_and_resumes_a_run_in_a_browser(tmp
             expect(page.locator("#run-status")).to_have_text("finished", timeout=120_000)
             expect(facts).to_contain_text("step 90", timeout=15_000)
             expect(facts).to_contain_text("exit code 0", timeout=15_000)  # the waiter recorded how it ended
-            expect(page.locator("#runs li")).to_have_count(1)
+            expect(page.locator("#runs li")).to_have_count(2)
+            expect(page.locator("#doctor")).to_contain_text(re.compile(r"no findings|error:|warning:|info:"))
+
+            # Two runs: compared (their config difference) and watched together (a line each).
+            for name in ("baseline", "my-run"):
+                page.locator(f'#runs li[data-name="{name}"] .pick').check()
+            with page.expect_popup() as popup:
+                page.click("#compare")
+            expect(popup.value.locator("body")).to_contain_text("run.seed")
+            popup.value.close()
+            page.click("#watch")
+            expect(page.locator("#watch-legend")).to_contain_text("my-run (finished, step 90)")
+            expect(page.locator('#watch-charts [data-chart="loss"] h3')).to_contain_text("baseline 2.000")
+            expect(page.locator('#watch-charts [data-chart="loss"] h3')).to_contain_text("my-run")
+
+            # The registry: the run pushed by the CLI, its lineage, card and re-hashed files.
+            pushed = run_cli("push", str(runs / "my-run"), "--to", str(tmp_path / "registry"))
+            assert pushed.returncode == 0, pushed.stderr
+            page.click("#open-registry")
+            page.click('#registry-models button[data-version="my-run:1"]')
+            expect(page.locator("#registry-version .card")).to_contain_text("my-run")
+            page.click("#registry-version .verify")
+            expect(page.locator("#registry-version .integrity")).to_have_text(
+                "files: ok (every file re-hashed)"
+            )
 
             # Chat with the result, the same model in both panes: greedy answers, identical.
             page.click("#open-chat")
@@ -192,6 +235,8 @@ def test_a_user_builds_launches_watches_stops_and_resumes_a_run_in_a_browser(tmp
     metrics = [json.loads(line) for line in (runs / "my-run" / "metrics.jsonl").read_text().splitlines()]
     steps = [m["step"] for m in metrics if "loss" in m]
     assert steps == sorted(set(steps)) and steps[-1] == 90  # resumed, never repeated
+    manifest = json.loads((runs / "my-run" / "manifest.json").read_text())
+    assert manifest["distributed"]["world_size"] == 2  # two processes trained it, and resumed it
     assert json.loads((runs / ".ui" / "my-run.exit").read_text()) == 0
     generated = run_cli("generate", str(runs / "my-run" / "final"), "--prompt", "def main():")
     assert generated.returncode == 0, generated.stderr
@@ -343,3 +388,52 @@ def test_a_sweeps_trials_are_runs_and_its_page_is_drawn_from_the_study(
         http.get("/sweeps/a").status_code == 404
         and http.get("/api/runs/lr-sweep%2F..%2Fa").status_code == 404
     )
+
+
+def test_chat_with_an_onnx_export_answers_like_the_model_in_transformers(tmp_path: Path) -> None:
+    """A run's ONNX export is a chat target: onnxruntime with the exported tokenizer, chat template
+    and stop tokens, greedy, streamed; its reply is the one final/ gives in transformers."""
+    from lmforge.config.schema import TokenizerTrainConfig
+    from lmforge.data.tokenizer import train_tokenizer
+
+    root = tmp_path / "runs"
+    run = _fake_run(root, "exported")
+    texts = [f"def f{i}(x):\n    return x + {i}\n" for i in range(200)]
+    save_tiny_llama(train_tokenizer(texts, TokenizerTrainConfig(vocab_size=300)), run / "final")
+    converted = run_cli(
+        "ckpt", "convert", str(run / "final"), "--to", "onnx", "--out", str(run / "export" / "onnx")
+    )
+    assert converted.returncode == 0, converted.stderr
+    access = Access("127.0.0.1", 8765)
+    with TestClient(create_app(RunsRoot(root), access), base_url="http://127.0.0.1:8765") as http:
+        http.get(f"/?token={access.token}")
+        targets = [t["id"] for t in http.get("/api/chat/targets").json()["targets"]]
+        assert targets == ["exported/final", "exported/onnx"]
+        messages = [{"role": "user", "content": "def main():"}]
+        replies = {
+            target: http.post(
+                "/api/chat",
+                json={"target": target, "messages": messages, "max_new_tokens": 24},
+                headers={"x-csrf-token": access.csrf},
+            )
+            for target in targets
+        }
+    assert all(reply.status_code == 200 for reply in replies.values())
+    answers = [reply.text for reply in replies.values()]
+    assert answers[0] and answers[0] == answers[1], answers
+
+
+def test_registry_doctor_and_launch_requests_are_checked(client: tuple[TestClient, Access, Path]) -> None:
+    http, access, _ = client
+    http.get(f"/?token={access.token}")
+    post = {"headers": {"x-csrf-token": access.csrf}}
+    assert "lmforge push RUN_DIR --to" in http.get("/api/registry").json()["note"]  # none yet
+    for path in ("..%2F..%2Fetc/1", ".hidden/1", "m/..%2F..", "m/1%2F..%2F.."):
+        response = http.get(f"/api/registry/{path}")
+        assert response.status_code in (400, 404), (path, response.text)
+    assert isinstance(http.get("/api/runs/a/doctor").json()["findings"], list)
+    assert http.get("/api/runs/..%2Fa/doctor").status_code == 404
+    config = (Path(__file__).parents[1] / "examples" / "pretrain_tiny.yaml").read_text()
+    for processes, message in ((0, "choose 1 to 64"), (65, "choose 1 to 64"), ("two", "a whole number")):
+        refused = http.post("/api/runs", json={"config": config, "processes": processes}, **post)
+        assert refused.status_code == 400 and message in refused.json()["error"], refused.text

@@ -65,14 +65,16 @@ def train(
             console.print(f"[bold yellow]stopped[/] {escape(str(stop))}", highlight=False)
         sys.exit(OOM_LADDER_EXIT)  # SystemExit: not recorded as a worker's error for the launcher
     _exit_zero_on_stop_signals()  # the run's work is done: a late SIGTERM must not turn it into 143
+    # Every rank ran to the end, or stopped at the same step (the ranks agree on a stop signal):
+    # leave together.
+    leave_process_group()
+    if not current_world().is_main:  # the summary is the run's, said once
+        return
     if outcome.interrupted_by is not None:
         console.print(
             f"[bold yellow]stopped[/] by {outcome.interrupted_by} at step {outcome.steps} with a checkpoint; "
             "run the same command to resume"
         )
-        return
-    leave_process_group()  # every rank ran to the end: leave together
-    if not current_world().is_main:  # the summary is the run's, said once
         return
     if outcome.already_finished:
         console.print(

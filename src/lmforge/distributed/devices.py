@@ -3,8 +3,12 @@ device do collectives run (nccl needs CUDA tensors; gloo takes CPU tensors)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
+
+_CONTROL_GROUP: dict[str, Any] = {}
 
 
 def cpu_supports_bf16() -> bool:
@@ -23,3 +27,15 @@ def collective_device() -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def control_group() -> Any:
+    """The process group for small control messages held on the CPU (the stop flag): the default
+    group where that is gloo already, else one gloo group beside NCCL, made on first use, so that
+    agreeing on a flag never waits behind the GPU's queue. Making it is a collective: every rank
+    calls this first at the same point of the step."""
+    if dist.get_backend() == "gloo":
+        return None  # the default group
+    if "gloo" not in _CONTROL_GROUP:
+        _CONTROL_GROUP["gloo"] = dist.new_group(backend="gloo")
+    return _CONTROL_GROUP["gloo"]

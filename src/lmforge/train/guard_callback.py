@@ -13,9 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from lmforge.distributed.devices import control_group
 from lmforge.monitor.events import EventLog
 from lmforge.monitor.watchdog import StallWatchdog, StopSignals
 from lmforge.train.step import TrainStep, scale_learning_rate
@@ -109,8 +112,9 @@ class GuardCallback(TrainerCallback):
         for kind, message in self.step.notices:
             self.events.emit(kind, state.global_step, message, rank=self.step.rank)
         self.step.notices.clear()
-        if self.signals.received is not None and self.signal_stop is None:
-            name = signal.Signals(self.signals.received).name
+        received = self._signal_any_rank_received()
+        if received is not None and self.signal_stop is None:
+            name = signal.Signals(received).name
             self.signal_stop = name
             control.should_save = True
             control.should_training_stop = True
@@ -120,6 +124,18 @@ class GuardCallback(TrainerCallback):
                 )
         if control.should_log:
             self.step.gather_rank_stats()  # a collective: on every rank, at every logged step
+
+    def _signal_any_rank_received(self) -> int | None:
+        """The stop signal this rank or any other received by the end of this step. The ranks must
+        agree: a signal reaches each rank at its own moment (or rank 0 alone, from `kill PID` or
+        the UI's Stop), and a rank that stopped a step before the others left them waiting in the
+        next step's collective for ever. One all-reduce of an int on the CPU per step."""
+        mine = self.signals.received or 0
+        if self.step.world_size == 1 or not dist.is_initialized():
+            return mine or None
+        flag = torch.tensor([mine], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control_group())
+        return int(flag.item()) or None
 
     def on_log(
         self,

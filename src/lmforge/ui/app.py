@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from lmforge.errors import UserInputError
 from lmforge.run_layout import RunPaths
 from lmforge.ui.chat import ChatModels
 from lmforge.ui.config_form import form_fields, parse, set_key
+from lmforge.ui.registry import RegistryView
 from lmforge.ui.runs import RunsRoot, UnknownRun
 from lmforge.ui.security import Access, Guard
 
@@ -35,8 +37,9 @@ POLL_S = 0.5  # how often a stream looks at the files: the curve lags the file b
 STATE_EVERY = 4  # polls between state messages (running, exit code, checkpoints)
 
 
-def create_app(runs: RunsRoot, access: Access) -> Guard:
+def create_app(runs: RunsRoot, access: Access, registry: RegistryView | None = None) -> Guard:
     chat = ChatModels(runs)
+    registry = registry or RegistryView(runs.cwd / "registry")
     page = resources.files("lmforge.ui").joinpath("static/index.html").read_text(encoding="utf-8")
     page = page.replace("{{CSRF}}", access.csrf)
 
@@ -67,9 +70,27 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
 
     async def launch(request: Request) -> Response:
         body = await _json(request)
-        return JSONResponse(
-            {"ok": True, "name": await run_in_threadpool(runs.launch, str(body.get("config", "")))}
-        )
+        processes = _int(body.get("processes", 1), "processes")
+        name = await run_in_threadpool(runs.launch, str(body.get("config", "")), processes)
+        return JSONResponse({"ok": True, "name": name})
+
+    def doctor(request: Request) -> Response:
+        from lmforge.monitor.diagnosis import diagnose_run
+
+        findings = diagnose_run(runs.run_dir(request.path_params["name"]))
+        return JSONResponse({"findings": [asdict(finding) for finding in findings]})
+
+    def registry_models(_: Request) -> Response:
+        return JSONResponse(registry.models())
+
+    def registry_version(request: Request) -> Response:
+        params = request.path_params
+        return JSONResponse(registry.version(params["model"], params["version"], verify=False))
+
+    async def registry_verify(request: Request) -> Response:
+        params = request.path_params  # re-hashes every file: a POST, off the event loop
+        shown = await run_in_threadpool(registry.version, params["model"], params["version"], verify=True)
+        return JSONResponse(shown)
 
     async def stop(request: Request) -> Response:
         return JSONResponse({"ok": True, "pid": runs.stop(request.path_params["name"])})
@@ -189,8 +210,12 @@ def create_app(runs: RunsRoot, access: Access) -> Guard:
             Route("/api/runs/{name:path}/stream", stream),
             Route("/api/runs/{name:path}/stop", stop, methods=["POST"]),
             Route("/api/runs/{name:path}/resume", resume, methods=["POST"]),
+            Route("/api/runs/{name:path}/doctor", doctor),
             Route("/api/runs/{name:path}", run_detail),
             Route("/api/sweeps", list_sweeps),
+            Route("/api/registry", registry_models),
+            Route("/api/registry/{model}/{version}", registry_version),
+            Route("/api/registry/{model}/{version}/verify", registry_verify, methods=["POST"]),
             Route("/api/launches/{name}", launch_status),
             Route("/sweeps/{name}", sweep_page),
         ],
@@ -207,6 +232,13 @@ async def _json(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise UserInputError("the request body must be a JSON object")
     return body
+
+
+def _int(value: Any, key: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise UserInputError(f"{key}: a whole number, got {value!r}") from None
 
 
 async def _not_found(_: Request, err: Exception) -> Response:

@@ -1,7 +1,8 @@
 """Chat with what a run made: its final/ (a full model, or an adapter on its base) in transformers,
-as `lmforge generate` runs it, or its GGUF export in llama.cpp with the chat template the GGUF
-carries, as `lmforge serve` does. Replies stream token by token. At most two models stay loaded
-(the page's two panes); a model rewritten on disk is loaded again.
+as `lmforge generate` runs it; its GGUF export in llama.cpp with the chat template the GGUF
+carries, as `lmforge serve` does; or its ONNX export in onnxruntime, with the tokenizer, chat
+template and stop tokens exported beside the graph. Replies stream token by token. At most two
+models stay loaded (the page's two panes); a model rewritten on disk is loaded again.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from lmforge.errors import UserInputError
 from lmforge.export.runtimes import gguf_file
+from lmforge.export.to_onnx import ONNX_NAME, OnnxCausalLM
 from lmforge.export.verify import model_fingerprint
 from lmforge.ui.runs import RunsRoot
 
@@ -37,6 +39,10 @@ class ChatModels:
             gguf_dir = run_dir / "export" / "gguf"
             if gguf_dir.is_dir() and gguf_file(gguf_dir) is not None:
                 found.append({"id": f"{state.name}/gguf", "label": f"{state.name} · GGUF export (llama.cpp)"})
+            if (run_dir / "export" / "onnx" / ONNX_NAME).is_file():
+                found.append(
+                    {"id": f"{state.name}/onnx", "label": f"{state.name} · ONNX export (onnxruntime)"}
+                )
         return found
 
     def check(self, target: str, messages: list[dict[str, str]]) -> tuple[Path, str]:
@@ -54,6 +60,8 @@ class ChatModels:
             model = self._load(path, kind)
             if kind == "gguf":
                 yield from _llama_cpp_reply(model, messages, max_new_tokens, temperature)
+            elif kind == "onnx":
+                yield from _onnx_reply(model, messages, max_new_tokens, temperature)
             else:
                 yield from _transformers_reply(model, messages, max_new_tokens, temperature)
 
@@ -71,7 +79,11 @@ class ChatModels:
                         "install 'lmforge[gguf]', or chat with the run's final/"
                     )
                 return found, "gguf"
-        raise UserInputError(f"{target}: nothing to chat with there (a run's final/ or its GGUF export)")
+        if what == "onnx" and (run_dir / "export" / "onnx" / ONNX_NAME).is_file():
+            return run_dir / "export" / "onnx", "onnx"
+        raise UserInputError(
+            f"{target}: nothing to chat with there (a run's final/, its GGUF or its ONNX export)"
+        )
 
     def _load(self, path: Path, kind: str) -> Any:
         key = model_fingerprint(path)  # a model rewritten on disk is loaded again
@@ -82,6 +94,10 @@ class ChatModels:
             from llama_cpp import Llama
 
             model: Any = Llama(model_path=str(path), n_ctx=2048, verbose=False)
+        elif kind == "onnx":
+            from transformers import AutoTokenizer
+
+            model = (OnnxCausalLM(path), AutoTokenizer.from_pretrained(path))
         else:
             from lmforge.evaluate.loading import load_for_inference
 
@@ -121,6 +137,40 @@ def _llama_cpp_reply(
         text = chunk["choices"][0]["delta"].get("content")
         if text:
             yield text
+
+
+def _onnx_reply(
+    loaded: Any, messages: list[dict[str, str]], max_new_tokens: int, temperature: float
+) -> Iterator[str]:
+    """Token by token through the exported graph (no KV cache in it: each token runs the whole
+    sequence), greedy at temperature 0, stopping at the template's end of turn as generate() does."""
+    import numpy as np
+
+    from lmforge.data.chat import stop_token_ids
+    from lmforge.evaluate.generation import render_prompt
+
+    runtime, tokenizer = loaded
+    ids = tokenizer(render_prompt(tokenizer, messages), add_special_tokens=False)["input_ids"]
+    stops, rng = stop_token_ids(tokenizer), np.random.default_rng()
+    new: list[int] = []
+    shown = ""
+    for _ in range(max_new_tokens):
+        logits = runtime.logits([*ids, *new])[-1].astype(np.float64)
+        if temperature > 0:
+            weights = np.exp((logits - logits.max()) / temperature)
+            token = int(rng.choice(len(weights), p=weights / weights.sum()))
+        else:
+            token = int(logits.argmax())
+        if token in stops:
+            break
+        new.append(token)
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        if text.startswith(shown) and not text.endswith("\ufffd"):  # a character still incomplete waits
+            yield text[len(shown) :]
+            shown = text
+    rest = tokenizer.decode(new, skip_special_tokens=True)
+    if rest.startswith(shown) and rest != shown:
+        yield rest[len(shown) :]
 
 
 def _check_messages(messages: list[dict[str, str]]) -> None:

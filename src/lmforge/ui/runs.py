@@ -1,9 +1,11 @@
 """The runs the UI shows and controls: one directory of run directories (`--runs`, default ./runs).
 
-Nothing here trains. A run is started as `lmforge train CONFIG run.output_dir=ROOT`, the command a
-user would type, in a process of its own session: the UI does not own its life. A run is running
-while its `.lock` is held (train/run_lock.py), so a restarted UI finds its runs again by the lock,
-and stops one by sending SIGTERM to the pid the lock names (the run checkpoints, then exits). Each
+Nothing here trains. A run is started as `lmforge train CONFIG run.output_dir=ROOT`, or as
+`lmforge launch CONFIG --nproc-per-node N ...` for N processes, the command a user would type, in a
+process of its own session: the UI does not own its life. A run is running while its `.lock` is
+held (train/run_lock.py), so a restarted UI finds its runs again by the lock, and stops one by
+sending SIGTERM to the pid the lock names (rank 0 of a launch): the run checkpoints, then exits,
+every rank at the same step (the ranks agree on a stop signal, train/guard_callback.py). Each
 launch goes through a small waiter (`python -m lmforge.ui.waiter`) that records the exit code and
 keeps the console output, which the run page shows when the run ends.
 
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 UI_DIR = ".ui"  # under the root: the configs the UI launched, console logs, exit codes
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _TAIL_BYTES = 8192
+MAX_PROCESSES = 64  # processes per node the form accepts
 
 
 class UnknownRun(UserInputError):
@@ -54,6 +57,7 @@ class RunState:
     exit_code: int | None
     best_eval_metric: str | None
     best_eval_value: float | None
+    processes: int  # per node, as the UI launched it (1: `lmforge train`)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -175,25 +179,29 @@ class RunsRoot:
             else "",
         }
 
-    def launch(self, text: str) -> str:
-        """Start `lmforge train` on the config text; returns the run's name."""
+    def launch(self, text: str, processes: int = 1) -> str:
+        """Start `lmforge train` on the config text, or `lmforge launch` with `processes` per node;
+        returns the run's name."""
         name = self.validate(text)
+        if not 1 <= processes <= MAX_PROCESSES:
+            raise UserInputError(f"processes per node: {processes}; choose 1 to {MAX_PROCESSES}")
         if self._holder(self.root / name) is not None:
             raise UserInputError(f"run {name} is running; stop it first, or choose another run.name")
         config = self._write_config(name, text)
-        self._start(name, ["train", str(config), f"run.output_dir={self.root}"])
+        (self.ui_dir / f"{name}.processes").write_text(str(processes))
+        self._start(name, self._command(config, processes, [f"run.output_dir={self.root}"]))
         return name
 
     def resume(self, name: str, max_steps: int | None = None) -> None:
-        """Run the recorded config again: `train.resume: auto` continues from the last checkpoint;
-        `max_steps` above the old target extends the run."""
+        """Run the recorded config again, with as many processes as before: `train.resume: auto`
+        continues from the last checkpoint; `max_steps` above the old target extends the run."""
         path = self.run_dir(name)
         if self._holder(path) is not None:
             raise UserInputError(f"run {name} is running already")
         overrides = [f"run.output_dir={self.root}", "train.resume=auto"]
         if max_steps is not None:
             overrides.append(f"train.max_steps={int(max_steps)}")
-        self._start(name, ["train", str(path / "config.yaml"), *overrides])
+        self._start(name, self._command(path / "config.yaml", self._processes(name), overrides))
 
     def stop(self, name: str) -> int:
         """SIGTERM to the process holding the run: it checkpoints at the step boundary and exits."""
@@ -208,9 +216,12 @@ class RunsRoot:
         pid = self._holder(path)
         exit_file = self.ui_dir / f"{name}.exit"
         exit_code = int(exit_file.read_text()) if pid is None and exit_file.is_file() else None
+        status = row.status if row else "prepared"
+        if pid is None and status == "running":  # written to lately (the report's guess), held by no process
+            status = "incomplete"
         return RunState(
             name=name,
-            status="running" if pid is not None else (row.status if row else "prepared"),
+            status="running" if pid is not None else status,
             stage=row.stage if row else "?",
             steps=row.steps if row else None,
             running=pid is not None,
@@ -218,7 +229,20 @@ class RunsRoot:
             exit_code=exit_code,
             best_eval_metric=row.best_eval_metric if row else None,
             best_eval_value=row.best_eval_value if row else None,
+            processes=self._processes(name),
         )
+
+    def _processes(self, name: str) -> int:
+        """Processes per node the UI launched the run with (1 for a run it did not launch)."""
+        record = self.ui_dir / f"{name}.processes"
+        return int(record.read_text()) if record.is_file() else 1
+
+    @staticmethod
+    def _command(config: Path, processes: int, overrides: list[str]) -> list[str]:
+        """lmforge's own command line for the run: train in this process, or launch N workers."""
+        if processes == 1:
+            return ["train", str(config), *overrides]
+        return ["launch", str(config), *overrides, "--nproc-per-node", str(processes)]
 
     def _holder(self, run_dir: Path) -> int | None:
         """The pid holding the run's lock, or None when no process holds it."""
