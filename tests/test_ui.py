@@ -25,6 +25,7 @@ from lmforge.ui.runs import RunsRoot
 from lmforge.ui.security import Access
 from tests.conftest import SMALL_ARCH, run_cli, save_tiny_llama
 
+REPO = Path(__file__).resolve().parents[1]
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
 
@@ -41,7 +42,7 @@ def client(tmp_path: Path) -> Iterator[tuple[TestClient, Access, Path]]:
     root = tmp_path / "runs"
     _fake_run(root, "a")
     access = Access("127.0.0.1", 8765)
-    app = create_app(RunsRoot(root), access, RegistryView(tmp_path / "registry"))
+    app = create_app(RunsRoot(root, cwd=REPO), access, RegistryView(tmp_path / "registry"))
     with TestClient(app, base_url="http://127.0.0.1:8765") as test_client:
         yield test_client, access, root
 
@@ -262,6 +263,12 @@ def test_the_form_is_the_schema_and_edits_the_same_yaml(client: tuple[TestClient
         "run": {"name": "x"},
         "train": {"lora": {"r": 8}},
     }
+    examples = http.get("/api/examples").json()["examples"]  # a new run can start from one
+    assert "pretrain_tiny.yaml" in examples and "sft_lora.yaml" in examples
+    shown = http.get("/api/examples/sft_lora.yaml").json()["config"]
+    assert shown == (REPO / "examples" / "sft_lora.yaml").read_text()
+    for name in ("..%2Fpyproject.toml", "missing.yaml", ".hidden.yaml"):
+        assert http.get(f"/api/examples/{name}").status_code == 404, name
     broken = http.post("/api/config/parse", json={"config": "run: [1,"}, **post)
     assert broken.status_code == 400 and "not valid YAML" in broken.json()["error"]
     config = (Path(__file__).parents[1] / "examples" / "pretrain_tiny.yaml").read_text()

@@ -46,6 +46,9 @@ def ui(
             "the UI on %s: anyone who reaches it with the token can start and stop runs; the default is 127.0.0.1",
             host,
         )
+    from lmforge.upstream import quiet_progress_bars
+
+    quiet_progress_bars()  # a chat's model load draws no bar in the UI's terminal
     check_port_free(host, port)
     runs.mkdir(parents=True, exist_ok=True)
     access = Access(host, port)

@@ -103,6 +103,12 @@ def create_app(runs: RunsRoot, access: Access, registry: RegistryView | None = N
         )
         return JSONResponse({"ok": True})
 
+    def examples(_: Request) -> Response:
+        return JSONResponse({"examples": runs.examples()})
+
+    def example(request: Request) -> Response:
+        return JSONResponse({"config": runs.example_text(request.path_params["name"])})
+
     async def schema(_: Request) -> Response:
         return JSONResponse({"fields": form_fields()})
 
@@ -197,6 +203,8 @@ def create_app(runs: RunsRoot, access: Access, registry: RegistryView | None = N
             Route("/api/runs", launch, methods=["POST"]),
             Route("/api/validate", validate, methods=["POST"]),
             Route("/api/schema", schema),
+            Route("/api/examples", examples),
+            Route("/api/examples/{name}", example),
             Route("/api/config/parse", parse_config, methods=["POST"]),
             Route("/api/config/set", set_config_key, methods=["POST"]),
             Route("/api/estimate", estimate, methods=["POST"]),

@@ -129,6 +129,17 @@ class RunsRoot:
             "console": self.console_tail(name),
         }
 
+    def examples(self) -> list[str]:
+        """The example configs a new run can start from: examples/*.yaml in the UI's working
+        directory, where `lmforge train examples/NAME.yaml` would find them (their data paths are
+        relative to it)."""
+        return sorted(p.name for p in (self.cwd / "examples").glob("*.yaml") if _NAME.fullmatch(p.name))
+
+    def example_text(self, name: str) -> str:
+        if name not in self.examples():
+            raise UnknownRun(f"{name!r}: no example of that name in {self.cwd / 'examples'}")
+        return (self.cwd / "examples" / name).read_text(encoding="utf-8")
+
     def config_text(self, name: str) -> str:
         config = self.run_dir(name) / "config.yaml"
         return config.read_text(encoding="utf-8") if config.is_file() else ""
