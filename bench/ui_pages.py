@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "bench" / "ui"
+CHAT_PROMPT = "Which group is shovel in: fruit, animal, color or tool?"  # a quickstart test question
 BAD_CONFIG = "run: {name: my-run}\nmodel: {preset: llama-tiny}\ntokenizer: {train: {vocab_size: 300}}\n"
 BAD_CONFIG += "data: {train: [{path: 'builtin:python-stdlib'}]}\ntrain: {max_steps: 30, lr: -1}\n"
 
@@ -104,6 +105,27 @@ def main() -> None:
             page.wait_for_selector('#watch-charts [data-chart="loss"]')
             page.wait_for_timeout(1500)
             page.screenshot(path=str(SHOTS / "watch.png"), full_page=True)
+            with page.expect_popup() as popup:  # runs compare's page for the two checked runs
+                page.click("#compare")
+            popup.value.wait_for_load_state()
+            popup.value.set_viewport_size({"width": 1400, "height": 900})
+            popup.value.screenshot(path=str(SHOTS / "compare.png"))
+            popup.value.close()
+            page.click("#open-chat")  # two models side by side: final/ in transformers, its ONNX export
+            page.wait_for_selector("#pane-a .target option", state="attached")
+            targets = page.locator("#pane-a .target option").evaluate_all(
+                "options => options.map(o => o.value)"
+            )
+            pair = [t for t in targets if t.endswith("/final")][-1:] + [
+                t for t in targets if t.endswith("/onnx")
+            ][:1]
+            for pane, target in zip(("#pane-a", "#pane-b"), pair, strict=False):
+                page.select_option(f"{pane} .target", target)
+            page.fill("#chat-input", CHAT_PROMPT)
+            page.press("#chat-input", "Enter")
+            for pane in ("#pane-a", "#pane-b")[: len(pair)]:
+                page.wait_for_selector(f'{pane} .assistant[data-done="true"]', timeout=120_000)
+            page.screenshot(path=str(SHOTS / "chat.png"))
             page.click("#open-registry")
             page.locator("#registry-models button").first.click()
             page.wait_for_selector("#registry-version .card")
@@ -130,7 +152,7 @@ def main() -> None:
         f"curve lag (line appended -> chart shows it) s: median {statistics.median(lags):.3f}, max {max(lags):.3f}"
     )
     print(
-        f"screenshots: {', '.join(str(SHOTS / n) for n in ('run.png', 'watch.png', 'registry.png', 'editor.png', 'form.png'))}"
+        f"screenshots: {', '.join(str(SHOTS / n) for n in ('run.png', 'watch.png', 'compare.png', 'chat.png', 'registry.png', 'editor.png', 'form.png'))}"
     )
 
 
