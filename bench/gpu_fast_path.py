@@ -7,7 +7,8 @@ tokens/s (steps after --warmup), MFU (6N + attention FLOPs per token over the GP
 computed here by hand and read back from lmforge's metrics.jsonl), and the CUDA allocator's peak.
 
     python bench/gpu_fast_path.py --out DIR [--steps 40 --warmup 10 --seq-len 2048 --batch 8]
-        [--variants bare,lmforge,liger,compile,liger+compile,paged_adamw_8bit,offload]
+        [--variants bare,lmforge,liger,compile,layers,liger+layers,fp8+liger+layers,bare_liger,
+                    bare_liger_compile,paged_adamw_8bit,offload]
 
 Needs a CUDA GPU; variants whose package is missing (liger-kernel, bitsandbytes) are reported as such.
 """
@@ -47,8 +48,18 @@ MODEL = {
 VARIANTS: dict[str, dict[str, Any]] = {
     "lmforge": {},
     "liger": {"kernels": "liger"},
-    "compile": {"compile": True},
-    "liger+compile": {"kernels": "liger", "compile": True},
+    "compile": {"compile": "model"},
+    "layers": {"compile": "layers"},
+    "liger+compile": {"kernels": "liger", "compile": "model"},
+    "liger+layers": {"kernels": "liger", "compile": "layers"},
+    "fp8": {"precision": "fp8"},
+    "fp8+liger+layers": {"precision": "fp8", "kernels": "liger", "compile": "layers"},
+    "fp8_rowwise+liger+layers": {
+        "precision": "fp8",
+        "fp8": {"recipe": "rowwise"},
+        "kernels": "liger",
+        "compile": "layers",
+    },
     "paged_adamw_8bit": {"optimizer": "paged_adamw_8bit"},
     "offload": {"gradient_checkpointing": True, "activation_offload": True},
     "checkpointing": {"gradient_checkpointing": True},
@@ -56,17 +67,26 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 class StepClock(TrainerCallback):
-    def __init__(self) -> None:
-        self.ends: list[float] = []
+    """The steady state's wall time: the device is waited for at the end of step `warmup` and of the
+    last step only, so a side that lets the host run ahead of the GPU (no sync in its step) shows it."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.start = self.end = 0.0
+        self.steps = 0
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if state.global_step not in (self.warmup, state.max_steps):
+            return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.ends.append(time.perf_counter())
+        if state.global_step == self.warmup:
+            self.start = time.perf_counter()
+        else:
+            self.end, self.steps = time.perf_counter(), state.max_steps - self.warmup
 
-    def steps_per_s(self, warmup: int) -> float:
-        steady = self.ends[warmup:]
-        return (len(steady) - 1) / (steady[-1] - steady[0])
+    def steps_per_s(self) -> float:
+        return self.steps / (self.end - self.start)
 
 
 def config(out: Path, name: str, opts: argparse.Namespace, train_extra: dict[str, Any]) -> Any:
@@ -95,12 +115,19 @@ def config(out: Path, name: str, opts: argparse.Namespace, train_extra: dict[str
 
 
 def run_bare(
-    cfg: Any, tokenizer: Any, data: Any, out: Path, opts: argparse.Namespace, liger: bool = False
+    cfg: Any,
+    tokenizer: Any,
+    data: Any,
+    out: Path,
+    opts: argparse.Namespace,
+    liger: bool = False,
+    compile_model: bool = False,
 ) -> StepClock:
-    """The HF Trainer as a careful user configures it (`liger`: its own `use_liger_kernel=True`)."""
+    """The HF Trainer as a careful user configures it (`liger`: its own `use_liger_kernel=True`;
+    `compile_model`: its `torch_compile=True`)."""
     set_seed(cfg.run.seed)
     model = build_model(cfg.model, tokenizer, max_length=cfg.data.max_length)
-    clock = StepClock()
+    clock = StepClock(opts.warmup)
     args = TrainingArguments(
         output_dir=str(out / "bare"),
         max_steps=cfg.train.max_steps,
@@ -112,6 +139,7 @@ def run_bare(
         report_to=[],
         bf16=True,
         use_liger_kernel=liger,
+        torch_compile=compile_model,
         seed=cfg.run.seed,
         disable_tqdm=True,
     )
@@ -143,16 +171,18 @@ def measure(
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    clock = StepClock()
+    clock = StepClock(opts.warmup)
     extra = VARIANTS.get(name, {})
     cfg = config(out, name.replace("+", "_"), opts, extra)
     started = time.perf_counter()
     if name.startswith("bare"):
         tokenizer, data = prepared
-        clock = run_bare(cfg, tokenizer, data, out, opts, liger=name == "bare_liger")
+        clock = run_bare(
+            cfg, tokenizer, data, out, opts, liger="liger" in name, compile_model=name.endswith("compile")
+        )
     else:
         run_training(cfg, extra_callbacks=[clock])
-    steps_per_s = clock.steps_per_s(opts.warmup)
+    steps_per_s = clock.steps_per_s()
     tokens_per_s = steps_per_s * opts.batch * opts.seq_len
     per_token = flops_per_token(params, MODEL["num_hidden_layers"], MODEL["hidden_size"], opts.seq_len)
     return {
@@ -165,7 +195,17 @@ def measure(
         else None,
         "params": params,
         "wall_s": round(time.perf_counter() - started, 1),
+        "losses": logged_losses(out / cfg.run.name) if not name.startswith("bare") else None,
     }
+
+
+def logged_losses(run_dir: Path) -> list[float]:
+    """The run's training loss at each logged step (for comparing curves: bf16 vs fp8)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r["loss"] for r in rows if "loss" in r]
 
 
 def main() -> None:

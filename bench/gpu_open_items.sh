@@ -21,18 +21,7 @@
 #   export PYTHONPATH=/tmp/site:$PWD/src:$PWD
 set -uo pipefail
 out=${1:?usage: bash bench/gpu_open_items.sh OUT_DIR}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-# The lent machine's torch (2.11 + CUDA 13) is older than the pinned CPU build the couplings are
-# tested on: run anyway, with the warning (src/lmforge/upstream.py, TESTED).
-export LMFORGE_ALLOW_UNTESTED_VERSIONS=1
-python=$(command -v python || command -v python3)
-capped() {
-    local cap=$1
-    shift
-    timeout --kill-after=5 "$cap" "$@" || echo "step ended with $? (124: cut at ${cap}s): $*"
-}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
+source "$(dirname "$0")/gpu_common.sh"
 
 capped "${S1_S:-200}" "$python" -m pytest -m gpu tests/test_gpu.py -q -s -k paged 2>&1 |
     tee "$out/gpu_tests.log" | tail -5

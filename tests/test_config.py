@@ -71,9 +71,9 @@ def test_all_problems_reported_at_once_in_line_order(tmp_path: Path) -> None:
 
 
 def test_bad_literal_lists_choices(tmp_path: Path) -> None:
-    message = errors_of(write(tmp_path, VALID), ["train.precision=fp8"])
+    message = errors_of(write(tmp_path, VALID), ["train.precision=fp4"])
     assert "override train.precision" in message
-    assert "'auto', 'fp32', 'bf16' or 'fp16'" in message
+    assert "'auto', 'fp32', 'bf16', 'fp16' or 'fp8'" in message
 
 
 def test_missing_section_and_model_source(tmp_path: Path) -> None:

@@ -180,6 +180,63 @@ def test_rollback_restores_the_checkpoint_and_skips_the_batches(tmp_path: Path, 
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+class DropFlags(TrainerCallback):
+    """The device flag each optimizer step ran with (torch's fused AdamW `found_inf`)."""
+
+    def __init__(self) -> None:
+        self.flags: dict[int, float] = {}
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kw):  # type: ignore[no-untyped-def]
+        found_inf = getattr(getattr(optimizer, "optimizer", optimizer), "found_inf", None)
+        if found_inf is not None:
+            self.flags[state.global_step + 1] = float(found_inf)
+
+
+def test_steps_judged_on_the_device_train_bit_for_bit_like_steps_judged_on_the_host(
+    tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unlogged steps (log_every beyond the run): the verdict is the device's and the host reads it
+    a step later. A NaN at step 6 rolls back to step-4 (acted on at step 7) and a spike at step 10
+    is skipped: the same weights, events and counts as when the host judges before each update."""
+
+    def run(name: str) -> Any:
+        return train(
+            config(
+                tmp_path,
+                corpus,
+                name=name,
+                max_steps=12,
+                log_every=1000,
+                save_every=4,
+                guard={"nonfinite": "rollback"},
+                faults=[{"kind": "nan", "step": 6}, {"kind": "spike", "step": 10, "factor": 50}],
+            ),
+            [flags],
+        )
+
+    flags = DropFlags()
+    device = run("device")
+    assert {step for step, flag in flags.flags.items() if flag} == {6, 10}  # dropped by the device flag
+    assert set(flags.flags) == set(range(1, 13))
+    monkeypatch.setattr("lmforge.train.step._device_skipper", lambda optimizer: None)
+    flags = DropFlags()
+    host = run("host")
+    assert not flags.flags
+    for outcome in (device, host):
+        kinds = [(e["kind"], e["step"], e.get("action")) for e in events_of(outcome.run_dir)]
+        assert [k for k in kinds if k[0] in ("nonfinite", "rollback", "spike", "skip")] == [
+            ("nonfinite", 6, "rollback"),
+            ("rollback", 6, None),
+            ("skip", 6, "skip"),  # the replayed bad step's batch
+            ("spike", 10, "skip"),
+        ], kinds
+    a, b = (load_file(outcome.final_dir / "model.safetensors") for outcome in (device, host))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    last = [metrics_of(outcome.run_dir)[-1] for outcome in (device, host)]
+    for key in ("loss", "tokens_seen", "skipped_steps", "rollbacks", "spike_count", "nonfinite_count"):
+        assert last[0][key] == last[1][key], key
+
+
 def test_repeated_bad_steps_stop_with_a_checkpoint_and_exit_code_3(tmp_path: Path, corpus: Path) -> None:
     base = config(
         tmp_path,

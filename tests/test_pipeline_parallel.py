@@ -206,7 +206,13 @@ def test_what_the_pipeline_cannot_run_is_refused_with_every_reason() -> None:
         _plan(
             2,
             distributed={"strategy": "ddp", "pipeline_microbatches": 1},
-            train={"stage": "dpo", "precision": "fp16", "chunked_cross_entropy": True, "micro_batch_size": 1},
+            train={
+                "stage": "dpo",
+                "precision": "fp16",
+                "chunked_cross_entropy": True,
+                "micro_batch_size": 1,
+                "compile": "layers",
+            },
         )
     message = str(refused.value)
     for expected in (
@@ -214,6 +220,7 @@ def test_what_the_pipeline_cannot_run_is_refused_with_every_reason() -> None:
         "train.stage: dpo with pipeline_parallel: 2",
         "train.precision: fp16 with pipeline_parallel: 2",
         "train.chunked_cross_entropy: true with pipeline_parallel: 2",
+        "train.compile: layers with pipeline_parallel: 2",
         "1f1b needs one micro-batch per stage",
     ):
         assert expected in message, (expected, message)

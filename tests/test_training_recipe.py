@@ -1,6 +1,7 @@
 """The training recipe: every optimizer and schedule that runs on a CPU trains a tiny model (the
-loss falls) and resumes exactly after SIGKILL; torch.compile gives eager's first-step loss;
-the memory savers leave the maths alone; what cannot work is refused before any work."""
+loss falls) and resumes exactly after SIGKILL; torch.compile gives eager's first-step loss, and
+compiled layers eager's loss curve; the memory savers leave the maths alone; what cannot work is
+refused before any work."""
 
 from __future__ import annotations
 
@@ -231,7 +232,13 @@ def test_warmup_ratio_is_a_share_of_all_steps(tmp_path: Path) -> None:
         ),
         (["train.checkpoint_every=2"], "train.checkpoint_every", "gradient_checkpointing: true"),
         (["train.compile=true", "distributed.strategy=deepspeed"], "train.compile", "DeepSpeed's own"),
-        (["train.compile=true", "train.kernels=liger"], "train.compile", "choose one of train.kernels"),
+        (["train.compile=layers", "distributed.strategy=deepspeed"], "train.compile", "DeepSpeed's own"),
+        (["train.compile=true", "train.kernels=liger"], "train.compile", "set train.compile: layers"),
+        (
+            ["train.compile=model", "train.chunked_cross_entropy=true"],
+            "train.chunked_cross_entropy",
+            "set train.compile: layers",
+        ),
     ],
 )
 def test_impossible_recipes_are_refused_at_load(
@@ -240,6 +247,25 @@ def test_impossible_recipes_are_refused_at_load(
     with pytest.raises(UserInputError) as caught:
         load_config(write_config(tmp_path), overrides)
     assert key in str(caught.value) and says in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("compile", "hf_compile"), [("false", False), ("true", True), ("model", True), ("layers", False)]
+)
+def test_only_compile_model_is_hf_torch_compile(tmp_path: Path, compile: str, hf_compile: bool) -> None:
+    """`compile: true` is the whole model, as before; `layers` leaves HF's switch off and compiles
+    the layers itself (train/regional_compile.py)."""
+    cfg = load_config(write_config(tmp_path), [f"train.compile={compile}"])
+    args = build_training_arguments(
+        cfg.train, RunPaths(tmp_path / "r"), seed=0, has_eval=False, precision="fp32"
+    )
+    assert args.torch_compile is hf_compile
+    assert args.torch_compile_mode == ("default" if hf_compile else None)
+
+
+@pytest.mark.parametrize("beside", ["train.chunked_cross_entropy=true", "train.kernels=liger"])
+def test_compile_layers_loads_beside_the_chunked_loss_and_liger(tmp_path: Path, beside: str) -> None:
+    assert load_config(write_config(tmp_path), ["train.compile=layers", beside]).train.compile == "layers"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusals of a machine without a CUDA GPU")
@@ -286,11 +312,14 @@ def test_compile_gives_the_eager_first_step_loss_with_checkpointing(tmp_path: Pa
     assert first_compiled == pytest.approx(first_eager, rel=1e-5)
 
 
-@pytest.mark.slow
-def test_memory_savers_leave_the_loss_curve_alone(tmp_path: Path) -> None:
+@pytest.mark.slow  # inductor compiles one layer: about 45 s on 2 cores with a cold inductor cache, 30 s warm
+def test_memory_savers_and_compiled_layers_leave_the_loss_curve_alone(tmp_path: Path) -> None:
     """Selective checkpointing, activation offload and the chunked loss recompute or move what a
-    step keeps, never its maths: the loss curve equals the plain run's."""
-    steps = {"max_steps": 3, "save_every": None}
+    step keeps, never its maths: the loss curve equals the plain run's. `train.compile: layers`
+    compiles each decoder layer in place and leaves the loss eager: beside checkpointing and the
+    chunked loss (which `compile: model` refuses) the curve is the plain run's too, the two layers
+    share one compiled graph, and the checkpoints and final/ keep eager's parameter names."""
+    steps = {"max_steps": 6, "save_every": 3}
     plain = run_cli("train", str(write_config(tmp_path / "plain", steps)))
     assert plain.returncode == 0, plain.stderr[-3000:]
     savers = {
@@ -306,10 +335,40 @@ def test_memory_savers_leave_the_loss_curve_alone(tmp_path: Path) -> None:
         "memory savers: gradient checkpointing (every 2 layers), activations in host memory, chunked "
         "cross-entropy (1024-token chunks)"
     ) in saved.stderr
-    expected, got = losses(tmp_path / "plain" / "runs" / "run"), losses(tmp_path / "savers" / "runs" / "run")
-    assert sorted(got) == [1, 2, 3]
-    # The chunked loss sums the tokens' losses in another order: float32 rounding, 1e-6 relative.
-    assert [got[s] for s in (1, 2, 3)] == pytest.approx([expected[s] for s in (1, 2, 3)], rel=1e-5)
+    compiled_steps = {
+        **steps,
+        "gradient_checkpointing": True,
+        "chunked_cross_entropy": True,
+        "compile": "layers",
+    }
+    compiled = run_cli(
+        "train",
+        str(write_config(tmp_path / "layers", compiled_steps)),
+        env={"TORCH_LOGS": "dynamo"},  # dynamo says each graph it traces
+    )
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    run, plain_run = tmp_path / "layers" / "runs" / "run", tmp_path / "plain" / "runs" / "run"
+    said = (
+        "compile: 2 decoder layers (LlamaDecoderLayer) compiled in place, mode default; the loss runs eager"
+    )
+    assert said in compiled.stderr and said in (run / "train.log").read_text()
+    assert "compiled in place" not in plain.stderr + saved.stderr
+    # One graph: the second layer reuses the first's (no recompile), and nothing outside the layers compiles.
+    assert compiled.stderr.count("torchdynamo start tracing") == 1, compiled.stderr[-3000:]
+    expected = losses(plain_run)
+    assert sorted(expected) == [1, 2, 3, 4, 5, 6]
+    # The chunked loss sums the tokens' losses in another order, and inductor may round float32
+    # reductions differently from eager: float32 rounding, within 1e-5 relative.
+    for other in (tmp_path / "savers" / "runs" / "run", run):
+        got = losses(other)
+        assert sorted(got) == sorted(expected), other
+        assert [got[s] for s in sorted(got)] == pytest.approx(
+            [expected[s] for s in sorted(expected)], rel=1e-5
+        )
+    names = load_file(plain_run / "final" / "model.safetensors").keys()
+    for checkpoint in (run / "checkpoints" / "step-3", run / "final"):
+        keys = load_file(checkpoint / "model.safetensors").keys()
+        assert keys == names and not any("_orig_mod" in key for key in keys), checkpoint
 
 
 def test_a_recorded_config_reads_back_with_its_optimizer(tmp_path: Path) -> None:

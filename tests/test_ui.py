@@ -324,9 +324,12 @@ def test_a_launch_refused_before_its_run_directory_exists_reports_its_exit_and_m
 
 
 def test_a_restarted_ui_finds_a_running_run_by_its_lock_and_stops_it(tmp_path: Path) -> None:
-    """The run's process is not the UI's child: any process holding the run's lock is its run."""
+    """The run's process is not the UI's child: any process holding the run's lock is its run. It was
+    started in a terminal by `lmforge launch` on 2 processes (its manifest says so): the UI resumes it
+    on as many."""
     root = tmp_path / "runs"
     run = _fake_run(root, "held")
+    (run / "manifest.json").write_text(json.dumps({"distributed": {"engine": "ddp", "world_size": 2}}))
     holder = subprocess.Popen(
         [
             sys.executable,
@@ -341,7 +344,7 @@ def test_a_restarted_ui_finds_a_running_run_by_its_lock_and_stops_it(tmp_path: P
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         state = RunsRoot(root).state("held")  # a UI started after the run
-        assert (state.running, state.pid, state.status) == (True, holder.pid, "running")
+        assert (state.running, state.pid, state.status, state.processes) == (True, holder.pid, "running", 2)
         assert RunsRoot(root).stop("held") == holder.pid
         assert holder.wait(timeout=30) == -15  # SIGTERM
         assert RunsRoot(root).state("held").running is False

@@ -317,6 +317,14 @@ REGISTRY: tuple[Coupling, ...] = (
                  "(--dtype) and a thread per core", extra="gguf")
         for name in ("ftype", "nthread")
     ),
+    *(
+        Coupling(f"torch.optim.{module}:{cls}.found_inf", "attribute", "train/step.py",
+                 "the guardrails' verdict on the device: a fused optimizer skips its whole update (parameters, "
+                 "moments, step count) on a non-zero found_inf, the flag AMP's GradScaler hands it, so no host "
+                 "sync precedes the update (tests/test_guardrails.py trains it bit for bit like the host's "
+                 "verdict)", set_in="torch.amp.grad_scaler:GradScaler.step")
+        for module, cls in (("adam", "Adam"), ("adamw", "AdamW"), ("sgd", "SGD"), ("adagrad", "Adagrad"))
+    ),
     Coupling(f"{_TOKENIZER}.response_template", "attribute", "train/tools.py",
              "tool rollouts: the parser of the model's tool calls (TRL's template for the catalogue's tool "
              "templates), which TRL's GRPOTrainer reads through tokenizer.parse_response",

@@ -39,7 +39,7 @@ ACTIONLESS = (
     # (w1 and w3 in one parameter) and then checks that pattern against module names only: the rank
     # is applied (the adapter audit shows it), the "ignored" is wrong.
     re.compile(r"The following (rank|alpha)_pattern keys did not match any targeted module .*gate_up_proj"),
-    # transformers on train.compile without an Ampere GPU: compiling is what the user asked for
+    # transformers on train.compile: model without an Ampere GPU: compiling is what the user asked for
     # (it pays on CPUs too: bench/RESULTS.md).
     re.compile(r"The speedups for torchdynamo mostly come with GPU Ampere or higher"),
 )
@@ -56,6 +56,21 @@ _CATEGORY = re.compile(r":\d+: (\w+): ")
 # imported, kineto at the first profile: set before either, unless the user set them.
 NATIVE_LOG_LEVELS = {"TORCH_CPP_LOG_LEVEL": "ERROR", "KINETO_LOG_LEVEL": "6"}
 DEPRECATIONS = ("FutureWarning", "DeprecationWarning", "PendingDeprecationWarning")
+# Notices libraries log while they are imported, before any run's train.log exists, and on loggers
+# the console's filter may never see (torch's own loggers print through a handler of theirs and do
+# not reach the root): logger -> what is dropped there, each with why. --verbose shows them.
+IMPORT_NOTICES = {
+    # torchao (the fp8 extra; transformers imports it in every command once it is installed) ships
+    # kernels built for other CUDA and Python versions and names each one it cannot load. Float8
+    # training runs on torch's own float8 matmul (torch._scaled_mm) and needs none of them.
+    "torchao": re.compile(r"Failed to load .*torchao[/\\]_C"),
+    # torchao 0.18 registers its enums with torch's pytree the way torch 2.13 deprecates: a notice
+    # per enum, about torchao's code, at import.
+    "torch.utils._pytree": re.compile(r"is an Enum subclass and is now natively supported by torch\.compile"),
+    # torchao's int8 matmul kernels want triton (absent on CPU-only machines); float8 training does not
+    # use them. Logged on its own module's logger: a filter on "torchao" does not see it.
+    "torchao.kernel.intmm": re.compile(r"Detected no triton"),
+}
 
 
 def is_verbose() -> bool:
@@ -75,6 +90,26 @@ def quiet_native_logs() -> None:
         return
     for name, level in NATIVE_LOG_LEVELS.items():
         os.environ.setdefault(name, level)
+
+
+class _DropImportNotice(logging.Filter):
+    """A logger's filter: drops its IMPORT_NOTICES record unless --verbose."""
+
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return is_verbose() or not self.pattern.search(record.getMessage())
+
+
+def quiet_import_notices() -> None:
+    """Keep IMPORT_NOTICES off the console (filters on their loggers, added once). Call before the
+    libraries are imported: the command line does it first thing (lmforge/cli/__init__.py)."""
+    for name, pattern in IMPORT_NOTICES.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropImportNotice) for f in logger.filters):
+            logger.addFilter(_DropImportNotice(pattern))
 
 
 def message_category(message: str) -> str | None:

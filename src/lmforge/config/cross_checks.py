@@ -433,29 +433,32 @@ RULES: list[Rule] = [
         "train.gradient_checkpointing: true",
     ),
     (
-        lambda c: c.train.compile and c.distributed.strategy == "deepspeed",
+        lambda c: bool(c.train.compile) and c.distributed.strategy == "deepspeed",
         "train.compile",
-        "torch.compile under DeepSpeed is DeepSpeed's own (deepspeed_config compile section); remove "
-        "train.compile or use distributed.strategy: fsdp / ddp",
+        "torch.compile under DeepSpeed is DeepSpeed's own (deepspeed_config compile section), for the "
+        "whole model and for its layers alike; remove train.compile or use distributed.strategy: fsdp / ddp",
     ),
     (
-        lambda c: c.train.compile and c.train.kernels == "liger",
+        lambda c: c.train.compile == "model" and c.train.kernels == "liger",
         "train.compile",
-        "Liger's fused linear cross-entropy does not trace under torch.compile (measured on an H100 with "
-        "torch 2.11 and liger-kernel 0.8.5: dynamo fails on its addmm); choose one of train.kernels: liger and "
-        "train.compile -- each alone gave about 1.4x the plain bf16 step there (bench/RESULTS.md)",
+        "model: Liger's fused linear cross-entropy does not trace under torch.compile (measured on an H100 "
+        "with torch 2.11 and liger-kernel 0.8.5: dynamo fails on its addmm); set train.compile: layers to "
+        "compile the decoder layers and keep the loss eager, or choose one of train.kernels: liger and "
+        "train.compile: model -- each alone gave about 1.4x the plain bf16 step there (bench/RESULTS.md)",
     ),
     (
-        lambda c: c.train.compile and stage_spec(c.train.stage).on_policy,
+        lambda c: bool(c.train.compile) and stage_spec(c.train.stage).on_policy,
         "train.compile",
         "online RL and distillation alternate generation and training with changing shapes, which "
-        "recompiles the model every step; remove train.compile",
+        "recompiles the model (or each of its layers) every step; remove train.compile",
     ),
     (
-        lambda c: c.train.chunked_cross_entropy and c.train.compile,
+        lambda c: c.train.chunked_cross_entropy and c.train.compile == "model",
         "train.chunked_cross_entropy",
-        "torch.compile traces the model's forward once, and the chunked loss swaps the head around each "
-        "training forward (a retrace every step); choose one of train.compile and train.chunked_cross_entropy",
+        "torch.compile of the whole model traces its forward once, and the chunked loss swaps the head "
+        "around each training forward (a retrace every step); set train.compile: layers to compile the "
+        "decoder layers and keep the chunked loss eager, or choose one of train.compile and "
+        "train.chunked_cross_entropy",
     ),
     (
         lambda c: (
@@ -469,6 +472,32 @@ RULES: list[Rule] = [
         "the chunked loss calls the output head chunk by chunk, also in backward, where FSDP and ZeRO-3 "
         "have released its sharded weight; use distributed.strategy ddp or ZeRO-1/2, or remove "
         "train.chunked_cross_entropy",
+    ),
+    # train.precision fp8 (train/fp8.py): torchao's Float8Linear computes every weight gradient in float8
+    # whether the weight trains or not, so a frozen base pays a third float8 matmul per layer for nothing
+    # (and qlora's 4-bit base cannot be cast at all); float8 is for full fine-tunes and pretraining.
+    (
+        lambda c: c.train.precision == "fp8" and c.train.method != "full",
+        "train.precision",
+        "fp8 trains full weights (pretraining, full fine-tunes): torchao's float8 layers compute the weight "
+        "gradient of a frozen base too, and an adapter's small matmuls gain nothing from float8; set "
+        "train.method: full, or train.precision: bf16 for lora / dora / qlora / freeze",
+    ),
+    (
+        lambda c: (
+            c.train.precision == "fp8"
+            and (c.distributed.strategy == "deepspeed" or c.distributed.deepspeed_config is not None)
+        ),
+        "train.precision",
+        "fp8 trains through torchao's float8 layers, which work with FSDP2, DDP and one process, not inside "
+        "DeepSpeed's engine; set distributed.strategy: fsdp (or ddp), or train.precision: bf16",
+    ),
+    (
+        lambda c: c.train.precision == "fp8" and c.distributed.tensor_parallel > 1,
+        "train.precision",
+        "fp8 with distributed.tensor_parallel > 1: float8 under tensor parallelism needs torchao's own float8 "
+        "parallel styles, which the model's tensor-parallel plan does not use; set "
+        "distributed.tensor_parallel: 1 (FSDP2 shards the model), or train.precision: bf16",
     ),
 ]
 

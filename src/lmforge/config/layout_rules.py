@@ -54,7 +54,8 @@ _MESH = {
 # setting -> is it on (fp16: the loss scaler steps outside the schedule)
 _UNSUPPORTED_IN_PIPELINE = {
     "train.precision: fp16": lambda c: c.train.precision == "fp16",
-    "train.compile: true": lambda c: c.train.compile,
+    "train.compile: model": lambda c: c.train.compile == "model",
+    "train.compile: layers": lambda c: c.train.compile == "layers",
     "train.kernels: liger": lambda c: c.train.kernels == "liger",
     "train.chunked_cross_entropy: true": lambda c: c.train.chunked_cross_entropy,
     "train.activation_offload: true": lambda c: c.train.activation_offload,

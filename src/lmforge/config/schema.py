@@ -762,6 +762,24 @@ class OptimizerConfig(Section):
         return self
 
 
+class Fp8Config(Section):
+    recipe: Literal["tensorwise", "rowwise"] = Field(
+        "tensorwise",
+        description="torchao's float8 recipe: tensorwise (one scale per tensor, fastest; FSDP2 can all-gather "
+        "the weights in float8) or rowwise (one scale per row, closer to bf16's loss).",
+    )
+    exclude: list[str] = Field(
+        default_factory=lambda: ["lm_head"],
+        description="Linear layers kept in bf16, by name (a layer whose qualified name contains one of these, "
+        "e.g. lm_head, mlp.gate for an MoE router). Layers whose sizes are not multiples of 16 stay bf16 too.",
+    )
+    fsdp_float8_all_gather: bool = Field(
+        True,
+        description="Under distributed.strategy fsdp with the tensorwise recipe: all-gather the sharded "
+        "weights in float8 (half the traffic of bf16).",
+    )
+
+
 class TrainConfig(Section):
     stage: Literal["pretrain", "sft", "dpo", "kto", "rm", "grpo", "rloo", "distill"] = Field(
         "pretrain",
@@ -829,9 +847,15 @@ class TrainConfig(Section):
         description="AdamW beta2 (0.95 is common for pretraining); Lion's beta2 too (0.99 is common there).",
     )
     max_grad_norm: float = Field(1.0, ge=0, description="Clip gradients to this global norm (0 disables).")
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+    precision: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = Field(
         "auto",
-        description="Mixed precision; auto picks bf16 where the device supports it (CPUs included), else fp32.",
+        description="Mixed precision; auto picks bf16 where the device supports it (CPUs included), else fp32. "
+        "fp8: bf16 with the linear layers' matmuls in float8 (torchao; train.fp8 says how; a CUDA GPU of "
+        "compute capability 8.9 or newer: H100, L4, RTX 4090 and later).",
+    )
+    fp8: Fp8Config = Field(
+        default_factory=Fp8Config,
+        description="How train.precision fp8 trains (ignored at other precisions).",
     )
     gradient_checkpointing: bool = Field(
         False,
@@ -865,9 +889,20 @@ class TrainConfig(Section):
         description="Fused kernels: liger (Liger's RMSNorm, RoPE, SwiGLU and fused linear cross-entropy; "
         "CUDA GPU and the liger-kernel package).",
     )
-    compile: bool = Field(
-        False, description="torch.compile the model (CPU and GPU; the first steps compile)."
+    compile: Literal[False, "model", "layers"] = Field(
+        False,
+        description="torch.compile (CPU and GPU; the first steps compile): model compiles the whole model "
+        "(true means model); layers compiles each decoder layer, the repeated block, in place, and leaves the "
+        "loss eager, so it works beside train.kernels liger and train.chunked_cross_entropy and compiles "
+        "one layer's graph once for all of them.",
     )
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_true_is_model(cls, value: Any) -> Any:
+        # `compile: true` predates the regional choice and keeps its meaning (the whole model).
+        return "model" if value is True else value
+
     compile_mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = Field(
         "default", description="torch.compile mode with train.compile."
     )

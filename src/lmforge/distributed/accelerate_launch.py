@@ -128,8 +128,16 @@ def forget_engine_choice(env: MutableMapping[str, str]) -> None:
 
 
 def check_precision(choice: AccelerateChoice, precision: str) -> None:
-    """`accelerate launch --mixed_precision X` must agree with train.precision (which decides)."""
-    if choice.mixed_precision in ("no", precision):
+    """`accelerate launch --mixed_precision X` must agree with train.precision (which decides).
+    train.precision fp8 autocasts to bf16 around torchao's float8 layers (train/fp8.py): bf16 agrees
+    with it, and accelerate's own fp8 (a second float8 conversion) does not."""
+    if choice.mixed_precision == "fp8":
+        raise UserInputError(
+            "accelerate launch --mixed_precision fp8 converts the model with accelerate's own float8 backend; "
+            "lmforge trains in float8 through train.precision: fp8 (torchao). Fix: drop --mixed_precision "
+            "(or pass bf16) and set train.precision: fp8"
+        )
+    if choice.mixed_precision in ("no", precision) or (precision, choice.mixed_precision) == ("fp8", "bf16"):
         return
     raise UserInputError(
         f"accelerate launch --mixed_precision {choice.mixed_precision}, but train.precision resolved to "

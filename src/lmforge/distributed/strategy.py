@@ -72,7 +72,7 @@ class Plan:
     deepspeed: dict[str, Any] | None
     reason: str
     layout: Layout  # the device mesh's degrees (distributed/layout.py)
-    precision: str = "fp32"  # train.precision resolved for this device, once: fp32 | bf16 | fp16
+    precision: str = "fp32"  # train.precision resolved for this device, once: fp32 | bf16 | fp16 | fp8
 
     def summary(self) -> dict[str, Any]:
         """What manifest.json and every checkpoint record of the engine that wrote them."""

@@ -73,7 +73,7 @@ def _nonfinite(run: RunView) -> list[Finding]:
     if not (events or bad_records or counted):
         return []
     changes = [f"train.lr={fmt(run.lr / 3)}"]
-    if run.cfg.train.precision == "fp16" or not run.cfg.found:
+    if run.cfg.train.precision in ("fp16", "fp8") or not run.cfg.found:  # 8 or 16 bits: try bf16
         changes.insert(0, "train.precision=bf16")
     if run.cfg.train.max_grad_norm == 0:
         changes.append("train.max_grad_norm=1.0")

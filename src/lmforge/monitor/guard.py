@@ -127,8 +127,23 @@ class Guardrails:
             )
         return HEALTHY
 
+    def replayed(self, step: int) -> bool:
+        """Whether `step` is a bad step replayed after the rollback it caused (its batch is skipped)."""
+        return step in self.skip_on_replay
+
     def spike_score(self, loss: float) -> float | None:
-        """Standard deviations above the window mean; None until the warm-up has passed.
+        """Standard deviations above the window mean; None until the warm-up has passed."""
+        limits = self._window_statistics()
+        return None if limits is None else (loss - limits[0]) / limits[1]
+
+    def spike_limits(self) -> tuple[float, float, float] | None:
+        """(window mean, deviation, spike_sigma) for judging the next step on the device the way
+        `spike_score` does on the host (train/step.py); None while spikes are not judged."""
+        limits = self._window_statistics()
+        return None if limits is None or self.cfg.spike == "off" else (*limits, self.cfg.spike_sigma)
+
+    def _window_statistics(self) -> tuple[float, float] | None:
+        """The window's mean and standard deviation, None until the warm-up has passed.
 
         The deviation has a floor of 1% of the mean: on a very smooth curve a tiny wiggle
         would otherwise count as many sigmas."""
@@ -136,7 +151,7 @@ class Guardrails:
             return None
         mean = sum(self.window) / len(self.window)
         std = math.sqrt(sum((x - mean) ** 2 for x in self.window) / len(self.window))
-        return (loss - mean) / max(std, 0.01 * abs(mean), 1e-8)
+        return mean, max(std, 0.01 * abs(mean), 1e-8)
 
     @property
     def spike_warmup(self) -> int:

@@ -9,6 +9,7 @@ from transformers import TrainingArguments
 
 from lmforge.config.schema import OptimizerConfig, TrainConfig, lower_is_better
 from lmforge.run_layout import RunPaths
+from lmforge.train.precision import autocast_precision
 from lmforge.verbosity import is_verbose
 
 # Arguments an engine or a stage may set to another value than lmforge's base, and why. Any
@@ -34,7 +35,7 @@ def build_training_arguments(
 ) -> TrainingArguments:
     """HF TrainingArguments, or a TRL config class (`args_class`, a subclass): lmforge's values from
     `cfg`, then the distributed engine's (`engine_args`), then the stage's (`stage_args`).
-    `precision` is the plan's, resolved once for this device (fp32, bf16 or fp16). `streaming`: the
+    `precision` is the plan's, resolved once for this device (fp32, bf16, fp16 or fp8). `streaming`: the
     training data is a stream, whose resume restores its saved position instead of skipping batches."""
     use_cuda = torch.cuda.is_available()
     length = {"max_steps": cfg.max_steps} if cfg.max_steps else {"num_train_epochs": cfg.epochs}
@@ -51,12 +52,14 @@ def build_training_arguments(
         adam_beta2=cfg.adam_beta2,
         max_grad_norm=cfg.max_grad_norm,
         **optimizer_arguments(cfg.optimizer),
-        bf16=precision == "bf16",
+        bf16=autocast_precision(precision) == "bf16",  # fp8: bf16 autocast around the float8 layers
         fp16=precision == "fp16",
         use_cpu=not use_cuda,
         **memory_arguments(cfg, on_gpu=use_cuda),
-        torch_compile=cfg.compile,
-        torch_compile_mode=cfg.compile_mode if cfg.compile else None,
+        # HF's torch_compile compiles the whole model; `layers` compiles each decoder layer in place
+        # instead, outside HF (train/regional_compile.py), and leaves HF's switch off.
+        torch_compile=cfg.compile == "model",
+        torch_compile_mode=cfg.compile_mode if cfg.compile == "model" else None,
         use_liger_kernel=cfg.kernels == "liger",
         logging_strategy="steps",
         logging_steps=cfg.log_every,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback, TrainingArguments
@@ -30,15 +31,19 @@ from lmforge.train.callbacks import (
 from lmforge.train.comm_callback import comm_timing
 from lmforge.train.console_progress import ConsoleProgress
 from lmforge.train.eval_generations import eval_generations_callbacks
+from lmforge.train.fp8 import Float8ScalesCallback, float8_all_gather, sharded_by_fsdp2
 from lmforge.train.guard_callback import GuardCallback
 from lmforge.train.histograms import HistogramCallback
 from lmforge.train.memory_savers import check_chunked_loss_fits
 from lmforge.train.moe_metrics import expert_load_callback
 from lmforge.train.profiling import ProfileCallback
+from lmforge.train.regional_compile import compile_layers
 from lmforge.train.rl_samples import RlSamples
 from lmforge.train.stages.build import build_stage_trainer
 from lmforge.train.stream_loading import StreamReportCallback
 from lmforge.verbosity import is_verbose
+
+log = logging.getLogger(__name__)
 
 
 class _FinalStepCallback(TrainerCallback):
@@ -154,6 +159,8 @@ def assemble_trainer(
         callbacks.append(_early_stopping(cfg, paths, monitor, has_eval=has_eval))
     if cfg.debug.crash_at_step is not None:
         callbacks.append(KillDrillCallback(guard.step.drills))
+    if plan.precision == "fp8" and float8_all_gather(cfg.train.fp8, fsdp=sharded_by_fsdp2(plan)):
+        callbacks.append(Float8ScalesCallback())  # the float8 weights' scales, after each optimizer step
     # Last: it prints the step's record once every other callback has added to it.
     callbacks.append(
         ConsoleProgress(cfg.train.stage, lambda: metrics_callback.pending, show=not is_verbose())
@@ -178,6 +185,11 @@ def assemble_trainer(
         parallel=parallel,
         engine_args=engine_arguments(plan, model, gradient_checkpointing=cfg.train.gradient_checkpointing),
     )
+    if cfg.train.compile == "layers":
+        # Once the Trainer holds the model (PEFT-wrapped where adapters train) and before `train()`
+        # applies Liger and activation checkpointing to its layers and FSDP2 shards them: the layers
+        # compile at their first forward, with all of that in place (train/regional_compile.py).
+        log.info("%s", compile_layers(model, cfg.train.compile_mode))
     if rl_samples is not None:
         rl_samples.watch(trainer)
     if comm is not None:

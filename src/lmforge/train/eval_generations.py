@@ -21,6 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import (
     PreTrainedTokenizerBase,
     TrainerCallback,
@@ -114,7 +115,9 @@ class EvalGenerations(TrainerCallback):
         was_training = model.training
         model.eval()  # no dropout: greedy completions of the weights as they are
         try:
-            return complete_prompts(model, self.tokenizer, self._prompts, self.settings.max_new_tokens)
+            # Eager: compiled layers (train.compile) would recompile for each length the KV cache grows to.
+            with torch.compiler.set_stance("force_eager"):
+                return complete_prompts(model, self.tokenizer, self._prompts, self.settings.max_new_tokens)
         finally:
             model.train(was_training)
 

@@ -69,6 +69,8 @@ class GuardCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
+        self.step.settle(state)
+        self._act_on_verdicts(state, control)
         self.signals.restore()
 
     def close(self) -> None:
@@ -108,10 +110,6 @@ class GuardCallback(TrainerCallback):
         self._beat()
         self._step = state.global_step
         self.step.step_seconds.append(time.perf_counter() - self._step_started)
-        self._act_on_verdicts(state, control)
-        for kind, message in self.step.notices:
-            self.events.emit(kind, state.global_step, message, rank=self.step.rank)
-        self.step.notices.clear()
         received = self._signal_any_rank_received()
         if received is not None and self.signal_stop is None:
             name = signal.Signals(received).name
@@ -122,6 +120,16 @@ class GuardCallback(TrainerCallback):
                 self.events.emit(
                     "signal", state.global_step, f"{name}: checkpoint at step {state.global_step}, then exit"
                 )
+        # A step judged on the device is read here only when something reads its numbers now (a log,
+        # a checkpoint, an evaluation, the end); otherwise at the next step's close, when the device
+        # has long finished it. A verdict found then is acted on one step later: a rollback returns to
+        # the same checkpoint; a stop keeps the next step's update if that step was healthy.
+        while self.step.verdicts or (self.step.unsettled and _reads_this_step(control)):
+            self.step.settle(state)
+            self._act_on_verdicts(state, control)
+        for kind, message in self.step.notices:
+            self.events.emit(kind, state.global_step, message, rank=self.step.rank)
+        self.step.notices.clear()
         if control.should_log:
             self.step.gather_rank_stats()  # a collective: on every rank, at every logged step
 
@@ -213,3 +221,11 @@ class GuardCallback(TrainerCallback):
                 data_wait_share=share,
             )
         self._data_bound = share > DATA_BOUND_SHARE
+
+
+def _reads_this_step(control: TrainerControl) -> bool:
+    """Whether HF logs, evaluates, saves or stops after this step: each reads the step's numbers
+    (the record, the best checkpoint's metric, the guard state and token count a checkpoint keeps)."""
+    return bool(
+        control.should_log or control.should_evaluate or control.should_save or control.should_training_stop
+    )

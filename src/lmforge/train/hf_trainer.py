@@ -277,7 +277,9 @@ class HFTrainerAdapter(Trainer):
             grad_norm = self._dimension_grad_norm(model, float("inf"))
         norm = super()._get_grad_norm(model, grad_norm=grad_norm)
         number = self.state.global_step + 1
-        self.train_step.close_step(number, norm, model, self.state, logs=logs_at(self.args, number))
+        self.train_step.close_step(
+            number, norm, model, self.state, logs=logs_at(self.args, number), optimizer=self.optimizer
+        )
         return norm
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

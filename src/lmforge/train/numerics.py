@@ -121,7 +121,13 @@ GPU_PEAK_FLOPS = (
 )
 _cpu_peaks: dict[torch.dtype, float] = {}
 # The matmul dtype each training precision runs its linear layers in (autocast on CPU and GPU).
-PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8 counts as bf16 (torchtitan's convention): its float8 matmuls show as MFU above a bf16 run's.
+PRECISION_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.bfloat16,
+}
 
 
 def flops_per_token(

@@ -27,6 +27,7 @@ from lmforge.errors import UserInputError
 from lmforge.evaluate.quality import require_bertscore
 from lmforge.export.gguf_quantize import QUANT_TYPES, require_imatrix_tools, require_quantizer
 from lmforge.monitor.sinks import require_sink_packages
+from lmforge.train.precision import require_fp8_device
 from lmforge.upstream import ALLOW_UNTESTED_ENV, check_upstream_versions, untested_versions
 
 
@@ -58,6 +59,7 @@ def require_tested_versions() -> None:
 
 def check_machine_requirements(cfg: LmforgeConfig) -> None:
     """UserInputError for the first GPU, package or extra the run needs and this machine lacks."""
+    check_precision_runs_here(cfg.train)  # fp8 without a float8 GPU or torchao
     check_method_runs_here(cfg.train)  # qlora without CUDA + bitsandbytes
     check_recipe_runs_here(cfg.train)  # paged optimizers or Liger without CUDA
     check_attention_runs_here(cfg.model)  # flash_attention_2 without CUDA + flash-attn
@@ -171,6 +173,19 @@ def check_recipe_runs_here(train: TrainConfig) -> None:
             raise UserInputError(
                 "train.kernels liger needs the liger-kernel package: pip install 'lmforge[liger]'"
             )
+
+
+def check_precision_runs_here(train: TrainConfig) -> None:
+    """train.precision fp8 needs a CUDA GPU with float8 matmuls (compute capability 8.9+) and
+    torchao; say so before any work (resolve_precision would say the first only once the run starts)."""
+    if train.precision != "fp8":
+        return
+    require_fp8_device(use_cuda=torch.cuda.is_available())
+    if importlib.util.find_spec("torchao") is None:
+        raise UserInputError(
+            "train.precision=fp8 trains through torchao's float8 linear layers, and torchao is not installed. "
+            "Fix: pip install 'lmforge[fp8]' (or set train.precision: bf16)"
+        )
 
 
 def check_method_runs_here(cfg: TrainConfig) -> None:

@@ -56,6 +56,7 @@ MATHS_KEYS = (
     "train.adam_beta2",
     "train.max_grad_norm",
     "train.precision",
+    "train.fp8.",  # the float8 recipe and which layers stay bf16
     "run.seed",
 )
 # Keys that say where and how to run, not what: never reported as changes.

@@ -43,6 +43,7 @@ from lmforge.train.callbacks import (
     NothingLeftToTrain,
 )
 from lmforge.train.final import refuse_nonfinite_final_eval, save_final
+from lmforge.train.fp8 import convert_linears_to_float8, refuse_fp8_plan, sharded_by_fsdp2
 from lmforge.train.guard_callback import GuardCallback
 from lmforge.train.memory_savers import describe_memory_savers
 from lmforge.train.oom_ladder import OomRestart, TrainingEngine, climb, forget_rungs, read_rungs
@@ -81,6 +82,8 @@ def run_training(
     share_node_cores()  # OMP_NUM_THREADS from this node's cores where no launcher set it
     on_gpu = torch.cuda.is_available()
     plan = plan_for(cfg, precision=resolve_precision(cfg.train.precision, use_cuda=on_gpu), on_gpu=on_gpu)
+    if plan.precision == "fp8":  # the engine an accelerate config chose, or strategy auto
+        refuse_fp8_plan(plan.engine, tensor_parallel=plan.layout.tensor)
     log.info("distributed: %s", plan.describe())
     log.info("%s", plan.optimizer_and_schedule(cfg.train))
     savers = describe_memory_savers(cfg.train)
@@ -166,6 +169,12 @@ def _train_run(
     model = apply_training_method(
         model, cfg.train, head=head, audit_path=paths.adapter_audit if world.is_main else None
     )
+    if plan.precision == "fp8":  # after the reference copy (it stays bf16), before FSDP2 wraps the model
+        convert_linears_to_float8(model, cfg.train.fp8, fsdp=sharded_by_fsdp2(plan))
+        if not cfg.train.compile:
+            log.info(
+                "fp8: torchao's float8 casts are fused by torch.compile; set train.compile for its speed"
+            )
 
     monitor = open_run_monitor(
         cfg.monitor

@@ -6,12 +6,19 @@
         forward + backward (HF), as 2, 4, ... chunks after an out-of-memory     batches.split_batch, back_off
         add its loss to the step's, on the device                               add_loss
     once, right before optimizer.step() (HF's `_get_grad_norm` hook):          close_step
-        one all_gather of [loss, tokens, grad norm] over ranks: the step's one
-        host sync (tests/test_host_syncs.py counts it, LM and TRL stages alike)
-        tokens into state.num_input_tokens_seen (they survive a resume)
-        judge the step (monitor/guard.py): apply it, or drop its gradients so
-        the optimizer changes neither parameters nor moments
+        read the previous step's numbers (settle: done on the device a step ago)
+        one all_gather of [loss, tokens, grad norm] over ranks, on the device
+        judge the step on the device (monitor/guard.py's non-finite and spike   _device_verdict
+        rules) into the fused optimizer's `found_inf`: a bad update is dropped
+        (parameters, moments, step count unchanged) with no host sync
+        (tests/test_host_syncs.py: none before an unlogged update, LM and TRL stages alike)
+        other optimizers, DeepSpeed, a sharded norm: the host judges here and
+        drops the step's gradients instead (one sync, before the update)
         at a logged step, keep a sample of the parameters for the update ratio
+    when something reads the step (a log, a save, an eval, the end), else at    settle
+    the next close: tokens into state.num_input_tokens_seen (they survive a
+    resume), loss mean / max over ranks, the host's verdict (the same rules on
+    the same numbers: events, rollback, stop; acted on a step late when read late)
     after optimizer.step():                                                     measure_update_ratio
     at a logged step, the metrics.jsonl record                                  record
         (a logged step reads more on the host: the update ratio, HF's logged loss)
@@ -30,7 +37,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -100,6 +107,7 @@ class TrainStep:
     step_mix: torch.Tensor | None = None  # tokens per source of a mixed stream or store
     tainted: str = ""  # why this step's gradients cannot be trusted (a failed backward)
     in_backward: bool = False
+    judge_on_host: bool = False  # DeepSpeed applies the update inside backward: no device flag can stop it
     # This step, after close_step:
     loss_mean: float = math.nan
     loss_max: float = math.nan
@@ -114,6 +122,7 @@ class TrainStep:
     mix_tokens: list[int] = field(default_factory=list)
     _ratio_before: list[torch.Tensor] | None = None
     _ratio_params: list[torch.nn.Parameter] = field(default_factory=list)
+    _pending: _PendingStep | None = None  # the last closed step, until `settle` reads it
 
     @classmethod
     def from_config(
@@ -162,6 +171,7 @@ class TrainStep:
             peak_flops=peak_flops(device, precision) if cfg.monitor.enabled else 0.0,
             peak_measured=datasheet_peak(device) is None,
             mix_tokens=restored_mix_tokens(cfg, resume),
+            judge_on_host=update_in_backward,
         )
 
     def bind(self, args: TrainingArguments, *, tensor_ranks: int, context_ranks: int) -> None:
@@ -245,65 +255,133 @@ class TrainStep:
 
     # -- once per optimizer step ----------------------------------------------------------
     def close_step(
-        self, step: int, grad_norm: Any, model: torch.nn.Module, state: Any, *, logs: bool
+        self,
+        step: int,
+        grad_norm: Any,
+        model: torch.nn.Module,
+        state: Any,
+        *,
+        logs: bool,
+        optimizer: Any = None,
     ) -> None:
-        """Aggregate over ranks, count the tokens, judge the step and drop it if it is not healthy."""
-        tokens, norm, mix = self._aggregate(grad_norm)
+        """Aggregate over ranks and judge the step; drop its update if it is not healthy.
+
+        Where the optimizer can skip its own update on a device flag (torch's fused AdamW / SGD /
+        Adagrad: the `found_inf` that AMP's GradScaler uses), the verdict is computed on the device
+        and the host reads it later (`settle`), when the device has long finished it: nothing waits
+        for the device before the update. Elsewhere (another optimizer, DeepSpeed's update inside
+        backward, a sharded norm) the host reads the step's numbers here and drops its gradients."""
+        self.settle(state)  # the previous step's numbers: finished on the device a step ago
+        replayed = self.guardrails is not None and self.guardrails.replayed(step)
+        table, norm_on_device, host_norm = self._gather(grad_norm)
+        inner = _device_skipper(optimizer)
+        judged_on_device = inner is not None and norm_on_device and self.guardrails is not None
+        judged_on_device = judged_on_device and not self.judge_on_host
+        drop = (
+            self._device_verdict(table, forced=replayed or bool(self.tainted)) if judged_on_device else None
+        )
+        if inner is not None:
+            inner.found_inf = drop.to(torch.float32) if drop is not None else None  # type: ignore[attr-defined]
+        self._pending = _PendingStep.start(step, table, drop, norm_on_device, host_norm, self.tainted)
+        self.step_loss, self.step_tokens, self.step_mix, self.tainted = None, None, None, ""
+        if not judged_on_device:
+            verdict = self.settle(state)
+            if verdict is not None and verdict.action != "apply":
+                for param in model.parameters():
+                    param.grad = None  # optimizer.step() now leaves parameters and moments unchanged
+                return
+        if logs and self.guardrails is not None:
+            self._snapshot_for_ratio(model)  # a dropped update leaves the parameters: no ratio then
+
+    @property
+    def unsettled(self) -> bool:
+        return self._pending is not None
+
+    def settle(self, state: Any) -> Verdict | None:
+        """Read the pending step's numbers on the host and account for them: tokens into
+        state.num_input_tokens_seen (they survive a resume), loss mean / max over ranks, tokens per
+        mixed source, the guardrails' verdict (kept in `verdicts` unless it is "apply"). The
+        callbacks call this before anything reads those (a logged, saved or last step)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        rows, dropped = pending.read()
+        tokens, norm, mix = self._account(rows, pending)
         state.num_input_tokens_seen += tokens
         self.mix_tokens = [before + now for before, now in zip(self.mix_tokens, mix, strict=True)]
-        verdict = self._judge(step, norm)
+        verdict = self._judge(pending.step, norm, pending.tainted)
+        if dropped is not None and dropped != (verdict.action != "apply"):
+            # Only at a z-score equal to the threshold in its last bit (a mean over 3+ ranks): the
+            # device decided what happened to the parameters; the record says what the host saw.
+            log.warning(
+                "step %d: the device and the host judged the step differently; the device's stands",
+                pending.step,
+            )
         if verdict.action != "apply":
-            for param in model.parameters():
-                param.grad = None  # optimizer.step() now leaves parameters and moments unchanged
             if self.guardrails is not None:
                 self.guardrails.note_skipped()
-            self.verdicts.append((step, verdict))
-        elif logs and self.guardrails is not None:
-            self._snapshot_for_ratio(model)
-        self.step_loss, self.step_tokens, self.step_mix, self.tainted = None, None, None, ""
+            self.verdicts.append((pending.step, verdict))
+            self._ratio_before, self._ratio_params, self.update_ratio = None, [], None
+        return verdict
 
-    def _aggregate(self, grad_norm: Any) -> tuple[int, float | None, list[int]]:
-        """(loss mean, loss max) over ranks into this object, the step's total real tokens, this
-        rank's gradient norm as a number, and the step's tokens per mixed source (if any).
-
-        One all_gather of [loss, tokens, grad norm] and one host sync per optimizer step: the grad
-        norm (a tensor on the device) rides along instead of costing a sync of its own. Gathered
-        rather than reduced with MAX, which would drop a NaN of one rank."""
+    def _gather(self, grad_norm: Any) -> tuple[torch.Tensor, bool, float | None]:
+        """The step's [loss, tokens, grad norm, tokens per mixed source] of every rank, on the device:
+        one all_gather, no host sync. Gathered rather than reduced with MAX, which would drop a NaN
+        of one rank. A sharded (DTensor) norm is read on the host, by float(): its placement decides
+        what a rank holds."""
         loss = self.step_loss if self.step_loss is not None else torch.tensor(math.nan)
         tokens = self.step_tokens if self.step_tokens is not None else torch.zeros((), dtype=torch.int64)
         distributed = self.world_size > 1 and dist.is_initialized()
         device = collective_device() if distributed else loss.device
         columns = [loss.to(device, torch.float64), tokens.to(device, torch.float64)]
-        # A sharded (DTensor) norm is read as before, by float(): its placement decides what a rank holds.
         norm_on_device = isinstance(grad_norm, torch.Tensor) and not isinstance(grad_norm, DTensor)
-        if norm_on_device:
-            columns.append(grad_norm.detach().reshape(()).to(device, torch.float64))
+        columns.append(
+            grad_norm.detach().reshape(()).to(device, torch.float64)
+            if norm_on_device
+            else torch.tensor(math.nan, dtype=torch.float64, device=device)
+        )
+        host_norm = None if norm_on_device else float(grad_norm) if grad_norm is not None else None
         sources = len(self.mix_tokens)  # each source's tokens ride along too: no collective of their own
         mix = self.step_mix if self.step_mix is not None else torch.zeros(sources, dtype=torch.float64)
         mine = torch.cat([torch.stack(columns), mix.to(device, torch.float64)])
-        if distributed:
-            gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
-            dist.all_gather(gathered, mine)
-            table = torch.stack(gathered)
-        else:
-            table = mine.reshape(1, -1)
-        rows = table.tolist()  # the host sync
-        own_row = rows[dist.get_rank() if distributed else 0]
-        norm = own_row[2] if norm_on_device else float(grad_norm) if grad_norm is not None else None
+        if not distributed:
+            return mine.reshape(1, -1), norm_on_device, host_norm
+        gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(gathered, mine)
+        return torch.stack(gathered), norm_on_device, host_norm
+
+    def _device_verdict(self, table: torch.Tensor, *, forced: bool) -> torch.Tensor:
+        """1.0 where the step must be dropped, on the device: the guardrails' non-finite and spike
+        rules (monitor/guard.py) in the same float64 arithmetic the host repeats at `settle`."""
+        own = table[dist.get_rank() if self.world_size > 1 and dist.is_initialized() else 0]
+        if forced or self.guardrails is None:  # a replayed bad step or a failed backward
+            return torch.full((), float(forced), dtype=torch.float64, device=table.device)
+        losses = table[:, 0]
+        bad = ~(torch.isfinite(losses).all() & torch.isfinite(own[2]))
+        limits = self.guardrails.spike_limits()
+        if limits is not None:
+            mean, deviation, sigma = limits
+            bad = bad | ((losses.sum() / losses.numel() - mean) / deviation > sigma)
+        return bad.to(torch.float64)
+
+    def _account(self, rows: list[list[float]], pending: _PendingStep) -> tuple[int, float | None, list[int]]:
+        """(loss mean, loss max) over ranks into this object; the step's total real tokens, this
+        rank's gradient norm and the step's tokens per mixed source (if any)."""
+        own_row = rows[dist.get_rank() if self.world_size > 1 and dist.is_initialized() else 0]
+        norm = own_row[2] if pending.norm_on_device else pending.host_norm
         losses = [row[0] for row in rows]
         self.loss_mean = math.fsum(losses) / len(losses) if not any(map(math.isnan, losses)) else math.nan
         self.loss_max = max(losses) if not any(map(math.isnan, losses)) else math.nan
-        mixed = [
-            int(round(sum(row[-sources + i] for row in rows) / self.batch_replicas)) for i in range(sources)
-        ]
+        sources = len(self.mix_tokens)
+        mixed = [int(round(sum(row[3 + i] for row in rows) / self.batch_replicas)) for i in range(sources)]
         return int(round(sum(row[1] for row in rows) / self.batch_replicas)), norm, mixed
 
-    def _judge(self, step: int, norm: float | None) -> Verdict:
+    def _judge(self, step: int, norm: float | None, tainted: str) -> Verdict:
         if self.guardrails is None:
             return Verdict("apply")
         verdict = self.guardrails.judge(step, self.loss_mean, norm)
-        if self.tainted and verdict.action == "apply":
-            verdict = Verdict("skip", "oom_backoff", f"step {step}: {self.tainted}")
+        if tainted and verdict.action == "apply":
+            verdict = Verdict("skip", "oom_backoff", f"step {step}: {tainted}")
         return verdict
 
     def _snapshot_for_ratio(self, model: torch.nn.Module) -> None:
@@ -514,3 +592,61 @@ def source_tokens(inputs: dict[str, Any], sources: torch.Tensor, count: int) -> 
     ids = inputs["input_ids"]
     per_sample = mask.sum(-1) if mask is not None else torch.full((ids.shape[0],), ids.shape[-1])
     return torch.bincount(sources.reshape(-1).cpu(), weights=per_sample.cpu().double(), minlength=count)
+
+
+@dataclass
+class _PendingStep:
+    """A closed step's numbers on their way to the host: on a GPU a non-blocking copy into pinned
+    memory started when the step closed, behind an event, so reading it a step later waits for
+    nothing queued after it (a plain `.tolist()` then would wait for the whole next step)."""
+
+    step: int
+    host: torch.Tensor
+    ready: Any  # torch.cuda.Event, or None on a CPU
+    columns: int
+    device_judged: bool
+    norm_on_device: bool
+    host_norm: float | None
+    tainted: str
+
+    @classmethod
+    def start(
+        cls,
+        step: int,
+        table: torch.Tensor,
+        drop: torch.Tensor | None,
+        norm_on_device: bool,
+        host_norm: float | None,
+        tainted: str,
+    ) -> _PendingStep:
+        flat = table.reshape(-1) if drop is None else torch.cat([table.reshape(-1), drop.reshape(1)])
+        ready = None
+        if flat.is_cuda:
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host = flat
+        return cls(step, host, ready, table.shape[1], drop is not None, norm_on_device, host_norm, tainted)
+
+    def read(self) -> tuple[list[list[float]], bool | None]:
+        """Every rank's row, and whether the device dropped the update (None: the host decides)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        values = self.host.tolist()
+        dropped = bool(values.pop()) if self.device_judged else None
+        return [values[i : i + self.columns] for i in range(0, len(values), self.columns)], dropped
+
+
+# torch's optimizers whose fused kernels skip the whole update (parameters, moments, step count) when
+# `found_inf` holds a non-zero value on the device: AMP's GradScaler mechanism, used here for the guardrails.
+_FUSED_SKIPPERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
+def _device_skipper(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer under accelerate's wrapper if it can drop an update on a device flag."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if type(inner) not in _FUSED_SKIPPERS or not inner.defaults.get("fused"):
+        return None
+    return cast(torch.optim.Optimizer, inner)

@@ -244,9 +244,13 @@ class RunsRoot:
         )
 
     def _processes(self, name: str) -> int:
-        """Processes per node the UI launched the run with (1 for a run it did not launch)."""
+        """Processes per node the UI launched the run with; for a run started elsewhere (`lmforge
+        launch` in a terminal), the world size its manifest records, so a resume from the UI runs on
+        as many processes (on this one node). 1 when unknown."""
         record = self.ui_dir / f"{name}.processes"
-        return int(record.read_text()) if record.is_file() else 1
+        if record.is_file():
+            return int(record.read_text())
+        return recorded_processes_per_node(self.root / name / "manifest.json")
 
     @staticmethod
     def _command(config: Path, processes: int, overrides: list[str]) -> list[str]:
@@ -311,3 +315,14 @@ class RunsRoot:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
+
+
+def recorded_processes_per_node(manifest: Path) -> int:
+    """The world size a run's manifest.json records, 1 when the manifest is missing or unreadable
+    (a run that never started training)."""
+    try:
+        summary = json.loads(manifest.read_text(encoding="utf-8")).get("distributed") or {}
+        world = int(summary.get("world_size") or 1)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return 1
+    return min(max(world, 1), MAX_PROCESSES)
