@@ -17,6 +17,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from lmforge.config.schema import ALERT_KINDS
 from lmforge.monitor.events import read_events
 from tests.test_alerts import TOKEN, Receiver
 from tests.test_guardrails import config, metrics_of
@@ -71,7 +72,14 @@ def test_run_alerts_exports_and_keeps_secrets_out(
     base["monitor"].update(
         {
             "loggers": ["tensorboard", "wandb", "mlflow"],
-            "alerts": {"webhook_url": receiver.url, "window_seconds": 600},
+            # Every kind but data_bound: on a loaded 2-core machine a window of this tiny model's steps
+            # can really wait on its batches more than half the time (seen once in CI), which would be a
+            # true alert and not this test's subject (tests/test_guardrails.py drills data_bound).
+            "alerts": {
+                "webhook_url": receiver.url,
+                "window_seconds": 600,
+                "kinds": [kind for kind in ALERT_KINDS if kind != "data_bound"],
+            },
             "prometheus": {"enabled": True, "port": port},
             "system_metrics_seconds": 0.5,
         }
