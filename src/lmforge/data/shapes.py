@@ -1,0 +1,97 @@
+"""A vision task lmforge writes itself: coloured shapes on small images, with questions a tiny
+vision-language model can learn on a CPU in minutes (issue 39's "a task that learns").
+
+Each image holds 1 to 3 shapes (circle, square, triangle) in distinct colours on white; each row
+asks one question about it, in LLaMA-Factory's sharegpt layout with an `images` column:
+
+    {"conversations": [{"from": "human", "value": "<image>what colour is the circle?"},
+                       {"from": "gpt", "value": "red"}],
+     "images": ["images/00012.png"]}
+
+Two kinds of question: the colour of a named shape (chance: 1 in 4) and how many shapes the
+image holds (chance: 1 in 3). The same seed writes the same files, byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (40, 70, 220), "yellow": (230, 200, 20)}
+SHAPES = ("circle", "square", "triangle")
+COUNT_WORDS = ("one", "two", "three")
+
+
+@dataclass(frozen=True)
+class ShapesTask:
+    """Where `write_shapes_task` put the task: its jsonl files and image folder."""
+
+    train: Path
+    eval: Path
+    images: Path
+
+
+def write_shapes_task(
+    out: Path, *, train_rows: int = 400, eval_rows: int = 60, size: int = 32, seed: int = 0
+) -> ShapesTask:
+    """Draw the images and write train.jsonl / eval.jsonl under `out` (paths relative to it)."""
+    rng = random.Random(seed)
+    images = out / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for split, rows in (("train", train_rows), ("eval", eval_rows)):
+        lines = []
+        for index in range(rows):
+            name = f"{split}-{index:05d}.png"
+            shapes = _draw(images / name, rng, size)
+            question, answer = _question(shapes, rng)
+            lines.append(
+                json.dumps(
+                    {
+                        "conversations": [
+                            {"from": "human", "value": f"<image>{question}"},
+                            {"from": "gpt", "value": answer},
+                        ],
+                        "images": [f"images/{name}"],
+                    }
+                )
+            )
+        files[split] = out / f"{split}.jsonl"
+        files[split].write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return ShapesTask(files["train"], files["eval"], images)
+
+
+def _draw(path: Path, rng: random.Random, size: int) -> list[tuple[str, str]]:
+    """One image of 1-3 shapes in distinct colours, each in its own cell of a row; the (shape,
+    colour) pairs drawn."""
+    from PIL import Image, ImageDraw
+
+    count = rng.randint(1, 3)
+    shapes = rng.sample(SHAPES, count)
+    colours = rng.sample(sorted(COLOURS), count)
+    image = Image.new("RGB", (size, size), "white")
+    draw = ImageDraw.Draw(image)
+    cell = size // 3
+    cells = rng.sample(range(3), count)
+    for shape, colour, column in zip(shapes, colours, cells, strict=True):
+        x0 = column * cell + 1
+        y0 = rng.randint(1, size - cell - 1)
+        box = (x0, y0, x0 + cell - 2, y0 + cell - 2)
+        fill = COLOURS[colour]
+        if shape == "circle":
+            draw.ellipse(box, fill=fill)
+        elif shape == "square":
+            draw.rectangle(box, fill=fill)
+        else:
+            draw.polygon([(box[0], box[3]), (box[2], box[3]), ((box[0] + box[2]) // 2, box[1])], fill=fill)
+    image.save(path, format="PNG")
+    return list(zip(shapes, colours, strict=True))
+
+
+def _question(shapes: list[tuple[str, str]], rng: random.Random) -> tuple[str, str]:
+    if rng.random() < 0.5:
+        shape, colour = rng.choice(shapes)
+        return f"what colour is the {shape}?", colour
+    return "how many shapes are there?", COUNT_WORDS[len(shapes) - 1]
