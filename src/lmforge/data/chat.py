@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -34,6 +34,9 @@ from lmforge.data.chat_templates import (
 )
 from lmforge.data.examples import Conversation, Origin
 from lmforge.errors import UserInputError
+
+if TYPE_CHECKING:
+    from lmforge.data.vision_tokens import ImageTokens
 
 IGNORE_INDEX = -100
 TrainOn = Literal["assistant", "all", "last_assistant"]
@@ -61,6 +64,7 @@ class TokenizedSample:
     labels: np.ndarray  # int32, IGNORE_INDEX where no loss
     origin: Origin | None = None
     truncated: bool = False  # cut to data.max_length (over_length: truncate)
+    images: list[str] = field(default_factory=list)  # one per image-token span, in order
 
     def as_features(self) -> dict[str, np.ndarray]:
         return {"input_ids": self.input_ids, "labels": self.labels}
@@ -111,14 +115,18 @@ def tokenize_conversation(
     train_on: TrainOn,
     max_length: int,
     over_length: OverLength,
+    image_tokens: ImageTokens | None = None,
 ) -> TokenizedSample | Dropped:
     """Tokens and labels of one conversation, ending with a supervised end-of-turn token.
 
     Labels follow `train_on`; a sample over `max_length` is truncated on the right, dropped,
-    or raises UserInputError naming its file:line, per `over_length`.
+    or raises UserInputError naming its file:line, per `over_length`. A conversation with images
+    has each placeholder replaced by its image's tokens (`image_tokens`), which carry no loss.
     """
     ids, turns = ids_and_assistant_turns(conversation, tokenizer, template)
-    return _finish_sample(ids, turns, conversation.origin, tokenizer, train_on, max_length, over_length)
+    return _finish_with_images(
+        conversation, ids, turns, tokenizer, train_on, max_length, over_length, image_tokens
+    )
 
 
 def tokenize_conversations(
@@ -129,6 +137,7 @@ def tokenize_conversations(
     train_on: TrainOn,
     max_length: int,
     over_length: OverLength,
+    image_tokens: ImageTokens | None = None,
 ) -> list[TokenizedSample | Dropped]:
     """`tokenize_conversation` for many conversations, same results, faster: conversations
     without tools under a template with generation markers are rendered one by one but
@@ -141,8 +150,8 @@ def tokenize_conversations(
         for i, (ids, turns) in zip(
             batchable, batched_ids_and_assistant_turns(batch, tokenizer, template), strict=True
         ):
-            results[i] = _finish_sample(
-                ids, turns, conversations[i].origin, tokenizer, train_on, max_length, over_length
+            results[i] = _finish_with_images(
+                conversations[i], ids, turns, tokenizer, train_on, max_length, over_length, image_tokens
             )
     for i, conversation in enumerate(conversations):
         if results[i] is None:
@@ -153,8 +162,38 @@ def tokenize_conversations(
                 train_on=train_on,
                 max_length=max_length,
                 over_length=over_length,
+                image_tokens=image_tokens,
             )
     return [r for r in results if r is not None]
+
+
+def _finish_with_images(
+    conversation: Conversation,
+    ids: list[int],
+    turns: list[tuple[int, int]],
+    tokenizer: PreTrainedTokenizerBase,
+    train_on: TrainOn,
+    max_length: int,
+    over_length: OverLength,
+    image_tokens: ImageTokens | None,
+) -> TokenizedSample | Dropped:
+    """`_finish_sample`, after each image placeholder became its image's tokens (masked)."""
+    if not conversation.images:
+        return _finish_sample(ids, turns, conversation.origin, tokenizer, train_on, max_length, over_length)
+    if image_tokens is None:
+        raise UserInputError(
+            f"{conversation.origin.file}:{conversation.origin.line}: the row has images but the model is "
+            "text-only; set model.path to a vision-language model (one AutoModelForImageTextToText loads)"
+        )
+    ids, turns, spans = image_tokens.expand(ids, turns, conversation.images)
+    sample = _finish_sample(
+        ids, turns, conversation.origin, tokenizer, train_on, max_length, over_length, image_spans=spans
+    )
+    if isinstance(sample, TokenizedSample):
+        if spans[-1][1] > len(sample.input_ids):  # truncation must not cut an image's tokens
+            return Dropped("an image cut by truncation", conversation.origin, len(ids))
+        sample.images = list(conversation.images)
+    return sample
 
 
 def _finish_sample(
@@ -165,11 +204,15 @@ def _finish_sample(
     train_on: TrainOn,
     max_length: int,
     over_length: OverLength,
+    image_spans: Sequence[tuple[int, int]] = (),
 ) -> TokenizedSample | Dropped:
-    """End with the end-of-turn token, set labels per `train_on`, apply the length policy."""
+    """End with the end-of-turn token, set labels per `train_on`, apply the length policy.
+    The tokens in `image_spans` never carry loss, whatever turn they sit in."""
     ids, turns = _end_with_end_of_turn(ids, turns, tokenizer)
     array = np.asarray(ids, dtype=np.int32)  # converted once: the labels copy from it
     labels = _labels_for(array, turns, train_on)
+    for start, end in image_spans:
+        labels[start:end] = IGNORE_INDEX
     if len(array) > max_length:
         if over_length == "error":
             raise UserInputError(

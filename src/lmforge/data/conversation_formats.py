@@ -30,6 +30,7 @@ from lmforge.data.bad_rows import (
     WRONG_ROLE_ORDER,
 )
 from lmforge.data.examples import Message
+from lmforge.data.images import ImageError, openai_content_text
 
 
 class RowError(Exception):
@@ -203,9 +204,15 @@ OPENAI_ROLES = ("system", "user", "assistant", "tool")
 
 
 def openai_messages(
-    turns: Any, column: str, role_tag: str = "role", content_tag: str = "content"
+    turns: Any,
+    column: str,
+    role_tag: str = "role",
+    content_tag: str = "content",
+    images: list[Any] | None = None,
 ) -> list[Message]:
-    """An OpenAI-style message list as messages, role order checked (not the final role)."""
+    """An OpenAI-style message list as messages, role order checked (not the final role). A
+    content given as a list of parts becomes text with an `<image>` placeholder per image part,
+    whose reference is appended to `images`."""
     if not isinstance(turns, list):
         raise RowError(MISTYPED_FIELD, f"{column!r} is {type_name(turns)}; expected a list of messages")
     messages: list[Message] = []
@@ -221,7 +228,7 @@ def openai_messages(
                 UNKNOWN_ROLE, f"{where}.{role_tag} is {role!r}; expected one of {', '.join(OPENAI_ROLES)}"
             )
         _check_openai_order(messages, role, where)
-        messages.append(_openai_message(turn, role, where, content_tag))
+        messages.append(_openai_message(turn, role, where, content_tag, images))
     return messages
 
 
@@ -249,9 +256,17 @@ def _check_openai_order(previous: list[Message], role: str, where: str) -> None:
         raise RowError(WRONG_ROLE_ORDER, f"{where} is {role!r} after an assistant tool call; expected 'tool'")
 
 
-def _openai_message(turn: dict[str, Any], role: str, where: str, content_tag: str) -> Message:
+def _openai_message(
+    turn: dict[str, Any], role: str, where: str, content_tag: str, images: list[Any] | None = None
+) -> Message:
     raw_calls = turn.get("tool_calls")
     content = turn.get(content_tag)
+    if isinstance(content, list):  # content parts: text and images
+        try:
+            content = openai_content_text(content, images if images is not None else [])
+        except ImageError as err:
+            raise RowError(err.reason, f"{where}.{content_tag}: {err.detail}") from None
+        turn = {**turn, content_tag: content}
     if not raw_calls and type(content) is str and content.strip():
         # The common turn, plain non-blank text: what the checks below accept unchanged, without
         # building the field names their messages would need (a tenth of the row's read time).

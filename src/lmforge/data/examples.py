@@ -37,6 +37,9 @@ class Conversation:
     messages: list[Message]
     origin: Origin
     tools: list[dict[str, Any]] | None = None
+    # The row's images (absolute paths, checked readable), one per `<image>` placeholder in the
+    # turns' text, in order (lmforge.data.images).
+    images: list[str] = field(default_factory=list)
 
 
 @dataclass

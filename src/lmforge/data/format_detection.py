@@ -35,9 +35,22 @@ LAYOUT_COLUMNS: dict[str, dict[str, str]] = {
         "response": "output",
         "system": "system",
         "history": "history",
+        "images": "images",
     },
-    "sharegpt": {"messages": "conversations", "system": "system", "tools": "tools", **SHAREGPT_TAGS},
-    "messages": {"messages": "messages", "tools": "tools", "role_tag": "role", "content_tag": "content"},
+    "sharegpt": {
+        "messages": "conversations",
+        "system": "system",
+        "tools": "tools",
+        "images": "images",
+        **SHAREGPT_TAGS,
+    },
+    "messages": {
+        "messages": "messages",
+        "tools": "tools",
+        "role_tag": "role",
+        "content_tag": "content",
+        "images": "images",
+    },
 }
 TASK_COLUMNS: dict[str, dict[str, str]] = {
     "sft": {},

@@ -95,7 +95,7 @@ def placeholders(texts: list[str]) -> int:
 
 
 def check_row_images(
-    texts: list[str], refs: list[Any], base_dir: Path, *, max_pixels: int
+    texts: list[str], refs: list[Any], base_dir: Path, *, max_pixels: int = MAX_IMAGE_PIXELS
 ) -> list[ImageFacts]:
     """A row's images, resolved and inspected in placeholder order; ImageError for the first
     problem (placeholders and images that do not pair up, or an image that cannot be used)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 from lmforge.data.bad_rows import EMPTY_TURN, MISSING_FIELD, MISTYPED_FIELD, WRONG_ROLE_ORDER, excerpt
@@ -38,6 +39,7 @@ from lmforge.data.examples import (
     PreferencePair,
 )
 from lmforge.data.format_detection import LAYOUT_COLUMNS, RowFormat
+from lmforge.data.images import ImageError, check_row_images
 
 
 def read_row(data: Any, origin: Origin, row_format: RowFormat, raw: str = "") -> Example | BadRow:
@@ -72,14 +74,41 @@ def _read_example(row: dict[str, Any], origin: Origin, fmt: RowFormat) -> Exampl
         chosen = _answer(row, cols["chosen"], fmt)
         rejected = _answer(row, cols["rejected"], fmt)
         return PreferencePair(prompt, chosen, rejected, origin, tools=tools)
-    messages = _conversation(row, fmt, final="assistant")
+    part_images: list[Any] = []
+    messages = _conversation(row, fmt, final="assistant", part_images=part_images)
     if fmt.task == "kto":
         return LabeledConversation(messages, _label(row, cols["kto_tag"]), origin)
-    return Conversation(messages, origin, tools=tools)
+    images = _row_images(row, cols.get("images", "images"), part_images, messages, origin)
+    return Conversation(messages, origin, tools=tools, images=images)
 
 
-def _conversation(row: dict[str, Any], fmt: RowFormat, final: Literal["user", "assistant"]) -> list[Message]:
-    """The conversation of a row; for a preference prompt it ends with a user (or tool) turn."""
+def _row_images(
+    row: dict[str, Any], column: str, part_images: list[Any], messages: list[Message], origin: Origin
+) -> list[str]:
+    """The row's image files, checked, in placeholder order: the references of OpenAI image parts,
+    else the images column (LLaMA-Factory's, or TRL's beside `{"type": "image"}` parts that name
+    no file). A row without images and without the column has none; placeholders are then text."""
+    listed = decode_json_field(row.get(column), list)
+    if listed is not None and not isinstance(listed, list):
+        listed = [listed]  # one image given as a string
+    refs = part_images if any(ref is not None for ref in part_images) else (listed or [])
+    if not refs and listed is None and not part_images:
+        return []
+    try:
+        facts = check_row_images([m.content for m in messages], refs, Path(origin.file).parent)
+    except ImageError as err:
+        raise RowError(err.reason, err.detail) from None
+    return [str(fact.path) for fact in facts]
+
+
+def _conversation(
+    row: dict[str, Any],
+    fmt: RowFormat,
+    final: Literal["user", "assistant"],
+    part_images: list[Any] | None = None,
+) -> list[Message]:
+    """The conversation of a row; for a preference prompt it ends with a user (or tool) turn.
+    The references of OpenAI-style image content parts are appended to `part_images`."""
     cols = fmt.columns
     if fmt.layout == "alpaca":
         return _alpaca_messages(row, cols, with_response=final == "assistant")
@@ -91,7 +120,7 @@ def _conversation(row: dict[str, Any], fmt: RowFormat, final: Literal["user", "a
         if system is not None and not any(m.role == "system" for m in messages):
             messages.insert(0, Message("system", system))
     else:
-        messages = openai_messages(turns, column, cols["role_tag"], cols["content_tag"])
+        messages = openai_messages(turns, column, cols["role_tag"], cols["content_tag"], part_images)
     _check_final_turn(messages, column, final)
     return messages
 

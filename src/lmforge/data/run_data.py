@@ -277,21 +277,36 @@ def _sft_data(
     world_size: int = 1,
 ) -> RunData:
     from lmforge.data.sft import prepare_sft_data
+    from lmforge.data.vision_tokens import ImageTokens, VisionCollator
 
     if cfg.data.streaming:
         return _chat_stream(cfg, tokenizer, cache_dir, paths, rank, world_size)
+    processor = vision_processor(cfg, tokenizer)
     sft = prepare_sft_data(
         cfg.data,
         tokenizer,
         seed=cfg.run.seed,
         cache_dir=cache_dir,
         quarantine_path=paths.root / "bad_rows.jsonl",
+        image_tokens=ImageTokens(processor) if processor is not None else None,
     )
     # Eval rows are packed among themselves only: no eval sample ever shares a row with train.
     evaluation = sft_dataset(cfg, sft.eval) if sft.eval else None
-    return RunData(
-        sft_dataset(cfg, sft.train), evaluation, sft_collator(cfg, tokenizer), sft.fingerprint, sft.report
-    )
+    collator = sft_collator(cfg, tokenizer)
+    if processor is not None:
+        collator = VisionCollator(collator, processor)
+    return RunData(sft_dataset(cfg, sft.train), evaluation, collator, sft.fingerprint, sft.report)
+
+
+def vision_processor(cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
+    """The processor of a vision-language model.path around the run's tokenizer; None for a text model."""
+    from lmforge.config.model_kind import vision_model_type
+    from lmforge.data.vision_tokens import load_processor
+
+    if vision_model_type(cfg.model.path) is None:
+        return None
+    assert cfg.model.path is not None
+    return load_processor(cfg.model.path, tokenizer, trust_remote_code=cfg.model.trust_remote_code)
 
 
 def sft_dataset(cfg: LmforgeConfig, samples: Any) -> Dataset:

@@ -16,7 +16,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -33,7 +33,10 @@ from lmforge.data.sources import sources_fingerprint
 from lmforge.data.stats import length_histogram
 from lmforge.data.tokenizer import tokenizer_fingerprint
 
-CODE_VERSION = "sft-v2"  # v2: the report counts truncated samples; the cache keeps bad_rows.jsonl
+if TYPE_CHECKING:
+    from lmforge.data.vision_tokens import ImageTokens
+
+CODE_VERSION = "sft-v3"  # v3: samples carry their images; v2: truncated counts, bad_rows.jsonl kept
 IGNORE_INDEX = -100
 
 
@@ -49,8 +52,16 @@ class PreparedSFT:
     report: dict[str, Any] = field(default_factory=dict)
 
 
-def sft_fingerprint(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, template: str, seed: int) -> str:
+def sft_fingerprint(
+    cfg: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    template: str,
+    seed: int,
+    image_tokens: ImageTokens | None = None,
+) -> str:
     parts = {
+        # How images become tokens: the processor's settings (size, splitting, tokens per image).
+        "images": image_tokens.fingerprint() if image_tokens is not None else None,
         "code": CODE_VERSION,
         "train": sources_fingerprint(cfg.train),
         "eval": sources_fingerprint(cfg.eval, "eval") if cfg.eval else None,
@@ -74,10 +85,18 @@ def sft_fingerprint(cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, templat
 
 
 def prepare_sft_data(
-    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, seed: int, cache_dir: Path, quarantine_path: Path
+    cfg: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seed: int,
+    cache_dir: Path,
+    quarantine_path: Path,
+    image_tokens: ImageTokens | None = None,
 ) -> PreparedSFT:
-    """Read, validate, render and tokenize the SFT sources; cached under a fingerprint."""
-    prepared = prepare(_SftKind(cfg, tokenizer, seed, quarantine_path), cfg, seed=seed, cache_dir=cache_dir)
+    """Read, validate, render and tokenize the SFT sources; cached under a fingerprint. Rows with
+    images need `image_tokens` (a vision-language model's processor)."""
+    kind = _SftKind(cfg, tokenizer, seed, quarantine_path, image_tokens)
+    prepared = prepare(kind, cfg, seed=seed, cache_dir=cache_dir)
     train, evaluation = prepared.data
     return PreparedSFT(
         train, evaluation, prepared.fingerprint, prepared.cache_path, prepared.from_cache, prepared.report
@@ -97,19 +116,25 @@ class _SftKind:
     unit: str = "sample"
 
     def __init__(
-        self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, seed: int, quarantine_path: Path
+        self,
+        cfg: DataConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        seed: int,
+        quarantine_path: Path,
+        image_tokens: ImageTokens | None = None,
     ) -> None:
         self.cfg, self.tokenizer, self.seed = cfg, tokenizer, seed
         self.template = adopt_template(tokenizer, cfg.chat_template)
         self.bad_rows: BadRowPolicy | None = BadRowPolicy(
             cfg.on_bad_row, cfg.max_bad_fraction, quarantine_path
         )
-        self.samples = SampleTokenizer(cfg, tokenizer, self.template)
+        self.image_tokens = image_tokens
+        self.samples = SampleTokenizer(cfg, tokenizer, self.template, image_tokens)
         self.meta: dict[str, Any] = {}
         self.timings: dict[str, float] = {}
 
     def fingerprint(self) -> str:
-        return sft_fingerprint(self.cfg, self.tokenizer, self.template, self.seed)
+        return sft_fingerprint(self.cfg, self.tokenizer, self.template, self.seed, self.image_tokens)
 
     def cache_name(self, fingerprint: str) -> str:
         return f"sft-{fingerprint}"
@@ -148,19 +173,24 @@ class _SftKind:
             "dropped": dict(self.samples.dropped),
             # Kept, but cut to data.max_length (over_length: truncate): their ends never train.
             "truncated": dict(self.samples.truncated),
-            "train": _split_report(train, capacity),
-            "eval": _split_report(evaluation, capacity) if evaluation is not None else {"samples": 0},
+            "train": _split_report(train, capacity, self.image_tokens),
+            "eval": _split_report(evaluation, capacity, self.image_tokens)
+            if evaluation is not None
+            else {"samples": 0},
             **_duplicate_counts(train, evaluation),
             "chat_template": self.cfg.chat_template or "tokenizer",
             "train_on": self.cfg.train_on,
         }
 
 
-def _split_report(samples: RaggedSamples, capacity: int) -> dict[str, Any]:
+def _split_report(
+    samples: RaggedSamples, capacity: int, image_tokens: ImageTokens | None = None
+) -> dict[str, Any]:
     lengths = samples.lengths()
     supervised = int((np.asarray(samples.labels) != IGNORE_INDEX).sum())
     bins = best_fit_pack(lengths, capacity)
     return {
+        **(_image_counts(samples, image_tokens) if image_tokens is not None else {}),
         "samples": len(samples),
         "tokens": int(lengths.sum()),
         "supervised_tokens": supervised,
@@ -170,6 +200,17 @@ def _split_report(samples: RaggedSamples, capacity: int) -> dict[str, Any]:
         "length_histogram": length_histogram(lengths),
         "packing": packing_stats(bins, lengths, capacity),
         "padded_to_longest_pad_fraction": _pad_fraction_padded(lengths),
+    }
+
+
+def _image_counts(samples: RaggedSamples, image_tokens: ImageTokens) -> dict[str, int]:
+    """Images, samples with images, and the positions image features fill (the model's image
+    token), in a split: what the vision tower costs."""
+    per_sample = [len(images) for images in samples.images or []]
+    return {
+        "images": sum(per_sample),
+        "samples_with_images": sum(1 for count in per_sample if count),
+        "image_tokens": int((np.asarray(samples.input_ids) == image_tokens.image_token_id).sum()),
     }
 
 

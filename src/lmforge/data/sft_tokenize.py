@@ -13,7 +13,7 @@ import multiprocessing as mp
 from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -25,6 +25,9 @@ from lmforge.data.examples import Conversation
 from lmforge.data.ragged import RaggedSamples
 from lmforge.errors import UserInputError
 
+if TYPE_CHECKING:
+    from lmforge.data.vision_tokens import ImageTokens
+
 # Conversations per batched tokenizer call: enough to keep the Rust backend's threads busy,
 # few enough that one chunk's Python objects stay small.
 _TOKENIZE_CHUNK = 512
@@ -33,8 +36,15 @@ _TOKENIZE_CHUNK = 512
 class SampleTokenizer:
     """Renders and tokenizes conversations per the data settings; counts what it drops."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, template: str) -> None:
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        template: str,
+        image_tokens: ImageTokens | None = None,
+    ) -> None:
         self.cfg, self.tokenizer, self.template = cfg, tokenizer, template
+        self.image_tokens = image_tokens
         self.dropped: Counter[str] = Counter()
         self.truncated: Counter[str] = Counter()  # samples cut to data.max_length, per split
 
@@ -48,7 +58,9 @@ class SampleTokenizer:
             "train_on": self.cfg.train_on,
             "max_length": self.cfg.max_length,
             "over_length": self.cfg.over_length,
+            "image_tokens": self.image_tokens,
         }
+        images: list[list[list[str]]] = []
         chunks = (list(map(as_conversation, chunk)) for chunk in _chunks(examples, _TOKENIZE_CHUNK))
         with tqdm(desc=f"tokenize {split}", unit="row") as bar:
             for chunk in _tokenized_chunks(chunks, self.tokenizer, settings, workers):
@@ -59,8 +71,9 @@ class SampleTokenizer:
                 ids.append(chunk.input_ids)
                 labels.append(chunk.labels)
                 lengths.append(chunk.lengths)
+                images.append(chunk.images)
                 bar.update(chunk.rows)
-        return RaggedSamples.from_chunks(ids, labels, lengths)
+        return RaggedSamples.from_chunks(ids, labels, lengths, images)
 
 
 @dataclass
@@ -74,6 +87,7 @@ class _TokenizedChunk:
     dropped: list[str]
     rows: int
     truncated: int  # kept samples that were cut to data.max_length
+    images: list[list[str]]  # each kept sample's image files
 
 
 def _pack(results: list[TokenizedSample | Dropped]) -> _TokenizedChunk:
@@ -86,6 +100,7 @@ def _pack(results: list[TokenizedSample | Dropped]) -> _TokenizedChunk:
         [r.reason for r in results if isinstance(r, Dropped)],
         len(results),
         sum(r.truncated for r in kept),
+        [r.images for r in kept],
     )
 
 

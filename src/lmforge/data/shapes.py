@@ -1,15 +1,17 @@
 """A vision task lmforge writes itself: coloured shapes on small images, with questions a tiny
 vision-language model can learn on a CPU in minutes (issue 39's "a task that learns").
 
-Each image holds 1 to 3 shapes (circle, square, triangle) in distinct colours on white; each row
-asks one question about it, in LLaMA-Factory's sharegpt layout with an `images` column:
+Each image holds shapes (circle, square, triangle) in distinct colours on white; each row asks
+one question about it, in LLaMA-Factory's sharegpt layout with an `images` column:
 
     {"conversations": [{"from": "human", "value": "<image>what colour is the circle?"},
                        {"from": "gpt", "value": "red"}],
      "images": ["images/00012.png"]}
 
-Two kinds of question: the colour of a named shape (chance: 1 in 4) and how many shapes the
-image holds (chance: 1 in 3). The same seed writes the same files, byte for byte.
+Two kinds of question, half each: the colour of the one shape an image holds (chance: 1 in 4),
+and how many shapes, 1 to 3, an image holds (chance: 1 in 3). A text-only guess gets about 0.29;
+only a model that reads the pixels gets more (a tiny VLM reaches about 0.6 on a CPU in a minute).
+The same seed writes the same files, byte for byte.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ def write_shapes_task(
         lines = []
         for index in range(rows):
             name = f"{split}-{index:05d}.png"
-            shapes = _draw(images / name, rng, size)
-            question, answer = _question(shapes, rng)
+            ask_colour = rng.random() < 0.5
+            shapes = _draw(images / name, rng, size, count=1 if ask_colour else rng.randint(1, 3))
+            question, answer = _question(shapes, ask_colour)
             lines.append(
                 json.dumps(
                     {
@@ -63,12 +66,11 @@ def write_shapes_task(
     return ShapesTask(files["train"], files["eval"], images)
 
 
-def _draw(path: Path, rng: random.Random, size: int) -> list[tuple[str, str]]:
-    """One image of 1-3 shapes in distinct colours, each in its own cell of a row; the (shape,
+def _draw(path: Path, rng: random.Random, size: int, *, count: int) -> list[tuple[str, str]]:
+    """One image of `count` shapes in distinct colours, each in its own cell of a row; the (shape,
     colour) pairs drawn."""
     from PIL import Image, ImageDraw
 
-    count = rng.randint(1, 3)
     shapes = rng.sample(SHAPES, count)
     colours = rng.sample(sorted(COLOURS), count)
     image = Image.new("RGB", (size, size), "white")
@@ -90,8 +92,8 @@ def _draw(path: Path, rng: random.Random, size: int) -> list[tuple[str, str]]:
     return list(zip(shapes, colours, strict=True))
 
 
-def _question(shapes: list[tuple[str, str]], rng: random.Random) -> tuple[str, str]:
-    if rng.random() < 0.5:
-        shape, colour = rng.choice(shapes)
+def _question(shapes: list[tuple[str, str]], ask_colour: bool) -> tuple[str, str]:
+    if ask_colour:
+        shape, colour = shapes[0]
         return f"what colour is the {shape}?", colour
     return "how many shapes are there?", COUNT_WORDS[len(shapes) - 1]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lmforge.errors import UserInputError
 
@@ -133,13 +133,14 @@ def adapter_base(adapter_dir: Path) -> str:
 
 
 def _load_model(base: str) -> PreTrainedModel:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from lmforge.config.model_kind import vision_model_type
 
     device, dtype = inference_device()
+    auto: Any = AutoModelForImageTextToText if vision_model_type(base) else AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            base, dtype=dtype, trust_remote_code=False, use_safetensors=True
-        )
+        model = auto.from_pretrained(base, dtype=dtype, trust_remote_code=False, use_safetensors=True)
     except (OSError, ValueError) as err:
         raise UserInputError(f"{base}: cannot load the model: {err}") from None
     model.to(device)  # type: ignore[arg-type]

@@ -107,7 +107,13 @@ def _evaluate_run(request: EvalRequest, summary: dict[str, Any]) -> tuple[Path, 
     model, tokenizer = load_for_inference(final, request.adapter)
     _, _, data = prepare_run_data(cfg, for_training=False)  # eval never batches by micro_batch_size
     if stage_spec(cfg.train.stage).eval_rows_answer and data.eval is not None and len(data.eval) > 0:  # type: ignore[arg-type]
-        summary["run_eval_generations"] = _run_eval_generations(model, tokenizer, data.eval, request)
+        summary["run_eval_generations"] = _run_eval_generations(
+            model,
+            tokenizer,
+            data.eval,
+            request,
+            image_processor=getattr(data.collator, "image_processor", None),
+        )
     if data.eval is None or len(data.eval) == 0:  # type: ignore[arg-type]
         note = "the config has no eval data (set data.eval or data.eval_fraction); no run perplexity"
     elif data.conversational_rows:  # preference-style data batched by TRL: no plain next-token loss
@@ -165,16 +171,24 @@ def _quality(predictions: list[str], references: list[str], request: EvalRequest
     return generation_quality(predictions, references, bertscore_model=request.bertscore_model)
 
 
-def _run_eval_generations(model: Any, tokenizer: Any, dataset: Any, request: EvalRequest) -> dict[str, Any]:
+def _run_eval_generations(
+    model: Any, tokenizer: Any, dataset: Any, request: EvalRequest, *, image_processor: Any = None
+) -> dict[str, Any]:
     """Greedy completions of the run's eval prompts (`--limit` of them, else all) scored against
-    the answers the rows carry: what the eval steps of training measured on a few of them."""
+    the answers the rows carry: what the eval steps of training measured on a few of them (with
+    their images, for a vision-language run)."""
     from lmforge.evaluate.accuracy import EXAMPLES_SHOWN
     from lmforge.evaluate.samples import complete_prompts, sample_prompts
 
     count = request.limit if request.limit is not None else len(dataset)
     prompts = sample_prompts(dataset, tokenizer, count, reference_tokens=request.max_new_tokens)
     samples = complete_prompts(
-        model, tokenizer, prompts, request.max_new_tokens, batch_size=request.batch_size
+        model,
+        tokenizer,
+        prompts,
+        request.max_new_tokens,
+        batch_size=request.batch_size,
+        image_processor=image_processor,
     )
     scored = [s for s in samples if s.reference is not None]
     quality = (

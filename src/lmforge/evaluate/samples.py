@@ -9,8 +9,9 @@ the prompt turns rendered with the chat template (the chosen or good answer is t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lmforge.config.redact import redact_text
 from lmforge.monitor.run_artifacts import Sample
@@ -44,18 +45,21 @@ def sample_generations(model_dir: Path, dataset: Any, count: int = SAMPLE_COUNT)
 def complete_prompts(
     model: Any,
     tokenizer: PreTrainedTokenizerBase,
-    prompts: list[tuple[list[int], str | None]],
+    prompts: list[Prompt],
     max_new_tokens: int,
     *,
     batch_size: int = 1,
+    image_processor: Any = None,
 ) -> list[Sample]:
-    """Greedy completions of `sample_prompts`' (ids, reference) pairs, as redacted `Sample`s.
+    """Greedy completions of `sample_prompts`' prompts, as redacted `Sample`s.
 
     Batches are left-padded so that every completion starts at the same position; `batch_size=1`
-    (the default) generates each prompt alone, exactly as a user's single request would."""
+    (the default) generates each prompt alone, exactly as a user's single request would. A prompt
+    with images (a vision-language run) gets their pixels from `image_processor`."""
     import torch
 
     from lmforge.data.chat import stop_token_ids
+    from lmforge.data.vision_tokens import pixel_inputs
     from lmforge.evaluate.generation import generation_kwargs, until_stop
 
     stops = stop_token_ids(tokenizer) | {tokenizer.pad_token_id}
@@ -64,11 +68,20 @@ def complete_prompts(
     with torch.inference_mode():
         for start in range(0, len(prompts), batch_size):
             batch = prompts[start : start + batch_size]
-            input_ids, mask = _left_padded([ids for ids, _ in batch], tokenizer.pad_token_id, model.device)
+            input_ids, mask = _left_padded([p.ids for p in batch], tokenizer.pad_token_id, model.device)
+            images: dict[str, Any] = {}
+            if image_processor is not None and any(p.images for p in batch):
+                images = {
+                    name: value.to(model.device)
+                    for name, value in pixel_inputs(image_processor, [p.images for p in batch]).items()
+                }
             output = generate(
-                input_ids=input_ids, attention_mask=mask, **generation_kwargs(tokenizer, max_new_tokens)
+                input_ids=input_ids,
+                attention_mask=mask,
+                **images,
+                **generation_kwargs(tokenizer, max_new_tokens),
             )
-            for (ids, reference), row in zip(batch, output[:, input_ids.shape[1] :].tolist(), strict=True):
+            for (ids, reference, _), row in zip(batch, output[:, input_ids.shape[1] :].tolist(), strict=True):
                 new = until_stop(row, stops)
                 samples.append(
                     Sample(
@@ -93,27 +106,48 @@ def _left_padded(rows: list[list[int]], pad_id: int, device: Any) -> tuple[Any, 
     return input_ids.to(device), mask.to(device)
 
 
+class Prompt(NamedTuple):
+    """A prompt to complete: its token ids, the reference reply (None: nothing to score against)
+    and its image files (a vision-language sample's, in the order of its image tokens)."""
+
+    ids: list[int]
+    reference: str | None
+    images: Sequence[str] = ()
+
+
 def sample_prompts(
     dataset: Any, tokenizer: PreTrainedTokenizerBase, count: int, *, reference_tokens: int = MAX_NEW_TOKENS
-) -> list[tuple[list[int], str | None]]:
-    """(prompt token ids, reference text or None) for the first `count` rows of a training or eval
-    dataset of any stage: token rows (pretrain blocks, SFT samples or packed rows) or TRL's
-    conversational rows (dpo, kto). A pretraining block's reference is its next `reference_tokens`
-    tokens (as many as a completion may have, so that a perfect one matches it)."""
-    prompts: list[tuple[list[int], str | None]] = []
+) -> list[Prompt]:
+    """The prompts of the first `count` rows of a training or eval dataset of any stage: token rows
+    (pretrain blocks, SFT samples or packed rows, with their images) or TRL's conversational rows
+    (dpo, kto). A pretraining block's reference is its next `reference_tokens` tokens (as many as
+    a completion may have, so that a perfect one matches it)."""
+    prompts: list[Prompt] = []
     for index in range(len(dataset)):
         item = dataset[index]
         if "prompt" in item:
-            prompts.append(_conversation_prompt(item, tokenizer))
+            prompts.append(Prompt(*_conversation_prompt(item, tokenizer)))
         else:
-            ids, labels = _as_list(item["input_ids"]), _as_list(item["labels"])
-            pieces = (
-                list(zip(ids, labels, strict=True)) if ids and isinstance(ids[0], list) else [(ids, labels)]
-            )
-            prompts.extend(_token_prompt(i, lab, tokenizer, reference_tokens) for i, lab in pieces)
+            prompts.extend(_token_prompts(item, tokenizer, reference_tokens))
         if len(prompts) >= count:
             break
-    return [p for p in prompts if p[0]][:count]
+    return [p for p in prompts if p.ids][:count]
+
+
+def _token_prompts(
+    item: dict[str, Any], tokenizer: PreTrainedTokenizerBase, reference_tokens: int
+) -> list[Prompt]:
+    """The prompt of each sample of a token row (a packed row holds several), with its images."""
+    ids, labels = _as_list(item["input_ids"]), _as_list(item["labels"])
+    images = list(item.get("images") or [])
+    if not (ids and isinstance(ids[0], list)):
+        return [Prompt(*_token_prompt(ids, labels, tokenizer, reference_tokens), images)]
+    counts = item.get("image_counts") or [0] * len(ids)
+    starts = [sum(counts[:k]) for k in range(len(counts))]
+    return [
+        Prompt(*_token_prompt(i, lab, tokenizer, reference_tokens), images[start : start + count])
+        for i, lab, start, count in zip(ids, labels, starts, counts, strict=True)
+    ]
 
 
 def _token_prompt(

@@ -22,6 +22,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from lmforge.config.model_kind import vision_model_type
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import UserInputError
 from lmforge.models.methods import Head
@@ -47,6 +48,8 @@ def build_model(
     Call `transformers.set_seed` first: fresh weights come from the global RNG.
     """
     auto = AutoModelForSequenceClassification if head == "score" else AutoModelForCausalLM
+    if vision_model_type(cfg.path) is not None:
+        auto = _vision_auto_class(head)
     if cfg.path:
         model = _load_pretrained(cfg, auto, quantization)
         if quantization is None:
@@ -173,9 +176,23 @@ def _fit_vocab(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> No
         model.resize_token_embeddings(len(tokenizer))
 
 
+def _vision_auto_class(head: Head) -> Any:
+    """A vision-language model trains through AutoModelForImageTextToText (its text model and
+    vision tower together); it has no sequence-scoring head."""
+    from transformers import AutoModelForImageTextToText
+
+    if head != "causal":
+        raise UserInputError(
+            "model.path is a vision-language model; reward models (train.stage rm) are text-only. "
+            "Fix: use a causal LM for the reward model"
+        )
+    return AutoModelForImageTextToText
+
+
 def _check_positions(model: PreTrainedModel, max_length: int) -> None:
+    config = getattr(model.config, "text_config", None) or model.config  # a VLM's text model
     for key in POSITION_KEYS:
-        limit = getattr(model.config, key, None)
+        limit = getattr(config, key, None)
         if isinstance(limit, int) and limit < max_length:
             raise UserInputError(
                 f"data.max_length={max_length} exceeds the model's {key}={limit}; lower data.max_length"

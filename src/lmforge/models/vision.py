@@ -98,3 +98,10 @@ def build_vision_model(preset: str, tokenizer: PreTrainedTokenizerBase) -> tuple
         chat_template=getattr(tokenizer, "chat_template", None),
     )
     return model, processor
+
+
+def save_vision_model_dir(out: Any, model: Any, processor: Any) -> None:
+    """A vision-language model folder (weights, config, tokenizer, processor) that
+    AutoModelForImageTextToText and AutoProcessor load: what `model.path` points a VLM run at."""
+    model.save_pretrained(out)
+    processor.save_pretrained(out)

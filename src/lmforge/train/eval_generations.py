@@ -36,7 +36,7 @@ from lmforge.config.stages import stage_spec
 from lmforge.data.run_data import RunData
 from lmforge.distributed.strategy import Plan
 from lmforge.evaluate.quality import generation_quality
-from lmforge.evaluate.samples import complete_prompts, sample_prompts
+from lmforge.evaluate.samples import Prompt, complete_prompts, sample_prompts
 from lmforge.monitor.metrics import drop_records_after
 from lmforge.monitor.run_artifacts import Sample
 from lmforge.monitor.run_monitor import RunMonitor
@@ -60,8 +60,10 @@ class EvalGenerations(TrainerCallback):
         monitor: RunMonitor,
         samples_path: Path,
         skip_reason: str | None = None,
+        image_processor: Any = None,
     ) -> None:
         self.settings = settings
+        self.image_processor = image_processor  # a vision-language run's: its prompts carry images
         self.eval_data = eval_data
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -69,7 +71,7 @@ class EvalGenerations(TrainerCallback):
         self.samples_path = samples_path
         self.skip_reason = skip_reason  # set when this engine cannot generate on one rank
         self._told = False  # the skip is logged once, not at every evaluation
-        self._prompts: list[tuple[list[int], str | None]] | None = None  # read from eval_data once
+        self._prompts: list[Prompt] | None = None  # read from eval_data once
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
@@ -117,7 +119,13 @@ class EvalGenerations(TrainerCallback):
         try:
             # Eager: compiled layers (train.compile) would recompile for each length the KV cache grows to.
             with torch.compiler.set_stance("force_eager"):
-                return complete_prompts(model, self.tokenizer, self._prompts, self.settings.max_new_tokens)
+                return complete_prompts(
+                    model,
+                    self.tokenizer,
+                    self._prompts,
+                    self.settings.max_new_tokens,
+                    image_processor=self.image_processor,
+                )
         finally:
             model.train(was_training)
 
@@ -162,6 +170,7 @@ def eval_generations_callbacks(
         monitor=monitor,
         samples_path=paths.eval_samples,
         skip_reason=sharding_reason(plan),
+        image_processor=getattr(data.collator, "image_processor", None),  # VisionCollator's
     )
     return [callback]
 

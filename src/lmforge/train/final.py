@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,9 +95,11 @@ def save_final(
     *,
     merge_lora: bool,
     finished: dict[str, Any],
+    extra_files: Sequence[Path] = (),
 ) -> None:
     """final/: the HF-format model and tokenizer, written aside and renamed into place, with the
-    record that the run finished (so final/ exists exactly when the run is done).
+    record that the run finished (so final/ exists exactly when the run is done). `extra_files`
+    are copied beside them (a vision-language model's processor settings).
 
     An adapter run writes the PEFT adapter to final/adapter/ (PeftModel.from_pretrained loads
     it onto its base) and, with export.merge_lora, the merged full model into final/ itself.
@@ -120,6 +124,8 @@ def save_final(
         untie_if_diverged(merged)
         merged.save_pretrained(str(staging))
     tokenizer.save_pretrained(str(staging))
+    for extra in extra_files:  # e.g. a vision-language model's processor settings
+        shutil.copy2(extra, staging / extra.name)
     refuse_nonfinite_weights(staging, paths)
     for args_pickle in staging.rglob("training_args.bin"):
         args_pickle.unlink()  # a pickle nobody needs in an export

@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
 from lmforge.ckpt.atomic import CheckpointStatus, find_latest_complete
 from lmforge.ckpt.safe_load import no_code_from_checkpoints
 from lmforge.config import LmforgeConfig, dump_config
+from lmforge.config.model_kind import processor_files
 from lmforge.config.schema import MonitorConfig
 from lmforge.config.stages import stage_spec
 from lmforge.distributed.parallel import parallelize
@@ -333,7 +334,14 @@ def _train_and_export(
         trainer.accelerator.unwrap_model(trainer.model), parallel.pipeline
     )
     refuse_nonfinite_final_eval(trainer.state.log_history, paths)  # every rank holds it: all decide alike
-    save_final(trainer, tokenizer, paths, merge_lora=cfg.export.merge_lora, finished=finished)
+    save_final(
+        trainer,
+        tokenizer,
+        paths,
+        merge_lora=cfg.export.merge_lora,
+        finished=finished,
+        extra_files=processor_files(cfg.model.path),
+    )
     if trainer.is_world_process_zero():
         clear_partial_writes(paths)  # a finished run keeps no empty checkpoints/.staging
     export = None

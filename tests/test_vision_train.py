@@ -1,0 +1,282 @@
+"""Vision-language fine-tuning on the text pipeline (issue 39): image rows in LLaMA-Factory's and
+OpenAI's shapes become samples whose image placeholders are the model's image tokens (never
+trained on), the data report counts images, packed image samples keep apart, and an SFT run of
+a tiny SmolVLM-architecture model trains, evaluates with its images and leaves a final/ that
+AutoModelForImageTextToText and AutoProcessor load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import run_cli
+from PIL import Image
+
+from lmforge.config.schema import DataConfig, SourceConfig, TokenizerTrainConfig
+from lmforge.data.chat import IGNORE_INDEX
+from lmforge.data.collate import PackedCollator, PaddedCollator
+from lmforge.data.images import IMAGE_COUNT, IMAGE_MISSING, IMAGE_UNREADABLE, IMAGE_URL
+from lmforge.data.sft import prepare_sft_data
+from lmforge.data.shapes import write_shapes_task
+from lmforge.data.tokenizer import train_tokenizer
+from lmforge.data.vision_tokens import ImageTokens, VisionCollator, load_processor
+from lmforge.models.vision import build_vision_model, save_vision_model_dir
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding the shapes task (task/) and an untrained tiny VLM (model/) whose
+    tokenizer was trained on the task's text."""
+    root = tmp_path_factory.mktemp("vlm")
+    task = write_shapes_task(root / "task", train_rows=240, eval_rows=16, seed=0)
+    rows = [json.loads(line) for line in task.train.read_text().splitlines()]
+    texts = [turn["value"] for row in rows for turn in row["conversations"]] * 5
+    tokenizer = train_tokenizer(texts, TokenizerTrainConfig(vocab_size=300, min_frequency=1))
+    torch.manual_seed(0)
+    model, processor = build_vision_model("smolvlm-tiny", tokenizer)
+    save_vision_model_dir(root / "model", model, processor)
+    return root
+
+
+def _config(root: Path, out: Path, data: dict, **train: object) -> Path:
+    config = {
+        "run": {"name": "vlm", "output_dir": str(out / "runs"), "seed": 0},
+        "model": {"path": str(root / "model")},
+        "data": {"max_length": 64, **data},
+        "train": {
+            "stage": "sft",
+            "max_steps": 40,
+            "micro_batch_size": 8,
+            "lr": 3e-3,
+            "warmup_steps": 3,
+            "log_every": 5,
+            "eval_every": 20,
+            "save_every": 20,
+            "precision": "fp32",
+            **train,
+        },
+    }
+    path = out / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_image_rows_in_three_shapes_are_checked_counted_and_shown(vlm: Path, tmp_path: Path) -> None:
+    images = tmp_path / "pics"
+    images.mkdir()
+    for index, name in enumerate(("cat.png", "dog.png")):
+        Image.new("RGB", (32, 32), (index * 100, 50, 50)).save(images / name)
+    (images / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"truncated" * 8)
+    cat, dog = str(images / "cat.png"), "pics/dog.png"  # an absolute path, and one relative to the file
+    sharegpt = [
+        {
+            "conversations": [
+                {"from": "human", "value": "<image>what is it?"},
+                {"from": "gpt", "value": "red"},
+            ],
+            "images": [cat],
+        },
+        {
+            "conversations": [
+                {"from": "human", "value": "<image>and this?"},
+                {"from": "gpt", "value": "blue"},
+            ],
+            "images": [dog],
+        },
+        {
+            "conversations": [{"from": "human", "value": "<image>gone?"}, {"from": "gpt", "value": "red"}],
+            "images": ["pics/none.png"],
+        },
+        {
+            "conversations": [{"from": "human", "value": "<image>torn?"}, {"from": "gpt", "value": "red"}],
+            "images": ["pics/broken.png"],
+        },
+    ]
+    alpaca = [
+        {"instruction": "<image><image>compare them", "output": "two", "images": [cat, dog]},
+        {
+            "instruction": "<image>what colour?",
+            "output": "red",
+            "images": [cat, dog],
+        },  # 1 placeholder, 2 images
+    ]
+    openai = [
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": dog}},
+                        {"type": "text", "text": "colour?"},
+                    ],
+                },
+                {"role": "assistant", "content": "blue"},
+            ]
+        },
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}],
+                },
+                {"role": "assistant", "content": "red"},
+            ]
+        },
+    ]
+    sources = [
+        {"path": str(_write_rows(tmp_path / "sharegpt.jsonl", sharegpt))},
+        {"path": str(_write_rows(tmp_path / "alpaca.jsonl", alpaca)), "format": "alpaca"},
+        {"path": str(_write_rows(tmp_path / "openai.jsonl", openai))},
+    ]
+    config = _config(vlm, tmp_path, {"train": sources, "on_bad_row": "skip", "max_bad_fraction": 0.6})
+    result = run_cli("prepare", str(config), "--show", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "runs" / "vlm" / "data_report.json").read_text())
+    split = report["train"]
+    kept = split["samples"] + report["eval"]["samples"]
+    assert kept == 4  # 2 sharegpt + 1 alpaca + 1 openai
+    assert split["images"] + report["eval"].get("images", 0) == 5  # the alpaca row holds two
+    assert split["image_tokens"] + report["eval"].get("image_tokens", 0) == 5 * 4  # 4 per 32x32 image
+    quarantined = [
+        json.loads(line) for line in (tmp_path / "runs" / "vlm" / "bad_rows.jsonl").read_text().splitlines()
+    ]
+    reasons = sorted(row["reason"] for row in quarantined)
+    assert reasons == sorted([IMAGE_MISSING, IMAGE_UNREADABLE, IMAGE_COUNT, IMAGE_URL]), quarantined
+    # --show prints where the image tokens sit among the tokens (none of them trained on).
+    assert "<image>" in result.stdout and "<fake_token_around_image>" in result.stdout
+
+
+def _samples(vlm: Path, tmp_path: Path, rows: int) -> tuple[object, list[dict], object]:
+    """(processor, the first `rows` shapes samples as the data stage tokenizes them, tokenizer)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vlm / "model")
+    processor = load_processor(str(vlm / "model"), tokenizer)
+    data = DataConfig(
+        train=[SourceConfig(path=str(vlm / "task" / "train.jsonl"), max_documents=rows)],
+        eval_fraction=0,
+        max_length=64,
+    )
+    prepared = prepare_sft_data(
+        data,
+        tokenizer,
+        seed=0,
+        cache_dir=tmp_path / "cache",
+        quarantine_path=tmp_path / "bad.jsonl",
+        image_tokens=ImageTokens(processor),
+    )
+    return processor, [prepared.train.sample(i) for i in range(len(prepared.train))], tokenizer
+
+
+def test_only_the_answer_carries_loss_never_an_image_token(vlm: Path, tmp_path: Path) -> None:
+    processor, samples, tokenizer = _samples(vlm, tmp_path, rows=6)
+    rows = [json.loads(line) for line in (vlm / "task" / "train.jsonl").read_text().splitlines()[:6]]
+    image_token_ids = {
+        tokenizer.convert_tokens_to_ids(t) for t in ("<image>", "<fake_token_around_image>", "<global-img>")
+    }
+    for sample, row in zip(samples, rows, strict=True):
+        ids, labels = sample["input_ids"].tolist(), sample["labels"].tolist()
+        tokens = tokenizer.convert_ids_to_tokens(ids)
+        assert tokens.count("<image>") == 4 and tokens.count("<fake_token_around_image>") == 2
+        for token_id, label in zip(ids, labels, strict=True):
+            if token_id in image_token_ids:
+                assert label == IGNORE_INDEX
+        supervised = [i for i, label in zip(ids, labels, strict=True) if label != IGNORE_INDEX]
+        answer = row["conversations"][1]["value"]
+        # Token by token: the answer, then the end of the turn, and nothing else.
+        assert tokenizer.decode(supervised, skip_special_tokens=True).strip() == answer
+        assert tokenizer.convert_ids_to_tokens(supervised[-1]) == "<|im_end|>"
+        assert len(sample["images"]) == 1 and Path(sample["images"][0]).samefile(
+            vlm / "task" / row["images"][0]
+        )
+
+
+def test_packed_image_samples_each_lose_what_they_lose_alone(vlm: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForImageTextToText
+
+    processor, samples, tokenizer = _samples(vlm, tmp_path, rows=3)
+    model = AutoModelForImageTextToText.from_pretrained(vlm / "model", attn_implementation="sdpa").eval()
+    pad = tokenizer.pad_token_id
+    alone = []
+    with torch.no_grad():
+        for sample in samples:
+            batch = VisionCollator(PaddedCollator(pad), processor)([_feature(sample)])
+            alone.append(_summed_losses(model, batch, [len(sample["input_ids"])])[0])
+        packed_row = {
+            "input_ids": [s["input_ids"].tolist() for s in samples],
+            "labels": [s["labels"].tolist() for s in samples],
+            "images": [image for s in samples for image in s["images"]],
+            "image_counts": [len(s["images"]) for s in samples],
+        }
+        batch = VisionCollator(PackedCollator(pad, attn_implementation="sdpa"), processor)([packed_row])
+        assert batch["pixel_values"].shape[:2] == (1, 3)  # the row's three images, in order
+        packed = _summed_losses(model, batch, [len(s["input_ids"]) for s in samples])
+    # The packed collator drops each sample's first label (no target crosses a boundary); that
+    # label is a prompt token here, so the sums compare as they are.
+    torch.testing.assert_close(torch.tensor(packed), torch.tensor(alone), atol=1e-5, rtol=1e-5)
+
+
+def _feature(sample: dict) -> dict:
+    return {
+        "input_ids": sample["input_ids"].tolist(),
+        "labels": sample["labels"].tolist(),
+        "images": sample["images"],
+    }
+
+
+def _summed_losses(model: object, batch: dict, lengths: list[int]) -> list[float]:
+    """Each sample's summed next-token loss over its supervised tokens, from one row's logits."""
+    labels = batch.pop("labels")
+    logits = model(**batch).logits[0]  # type: ignore[operator]
+    per_token = torch.nn.functional.cross_entropy(
+        logits[:-1], labels[0, 1:], ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    sums, start = [], 0
+    for length in lengths:
+        sums.append(float(per_token[start : start + length - 1].sum()))
+        start += length
+    return sums
+
+
+def test_a_vlm_sft_run_trains_evaluates_with_its_images_and_saves_a_loadable_model(
+    vlm: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    data = {
+        "train": [{"path": str(vlm / "task" / "train.jsonl")}],
+        "eval": [{"path": str(vlm / "task" / "eval.jsonl")}],
+    }
+    config = _config(vlm, tmp_path, data)
+    result = run_cli("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "runs" / "vlm"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    assert evals[-1] < evals[0] / 3, evals
+    samples = [json.loads(line) for line in (run / "eval_samples.jsonl").read_text().splitlines()]
+    assert samples and "<image>" in samples[0]["prompt"]
+    final = run / "final"
+    assert (final / "processor_config.json").is_file()
+    # final/ loads as a vision-language model with its processor, and is the last checkpoint's model.
+    processor = AutoProcessor.from_pretrained(final)
+    text = "<|im_start|>user\n<image>what colour is the circle?<|im_end|>\n<|im_start|>assistant\n"
+    image = Image.open(vlm / "task" / "images" / "eval-00000.png")
+    batch = processor(text=[text], images=[[image]], return_tensors="pt")
+    with torch.no_grad():
+        logits = AutoModelForImageTextToText.from_pretrained(final).eval()(**batch).logits
+        checkpoint = AutoModelForImageTextToText.from_pretrained(run / "checkpoints" / "step-40").eval()
+        assert torch.equal(logits, checkpoint(**batch).logits)
+    # `lmforge eval` scores the run's eval prompts with their images.
+    evaluated = run_cli("eval", str(config))
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    summary = json.loads((final / "eval.json").read_text())
+    assert summary["run_eval_generations"]["prompts"] == 16
