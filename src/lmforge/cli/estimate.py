@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.table import Table
 
 from lmforge.cli.console import console
 from lmforge.errors import UserInputError
+
+if TYPE_CHECKING:  # the CLI imports transformers only when a command runs
+    from lmforge.distributed.estimate import VisionEstimate
 
 
 def estimate(
@@ -109,6 +112,8 @@ def estimate(
         if result.recommended
         else "strategies: none fits as configured"
     )
+    if result.vision is not None:
+        _print_vision(result.vision)
     if result.model.vocab_source == "architecture default":
         console.print(
             f"vocabulary: {result.model.vocab_size:,} ({result.model.model_type}'s default; no tokenizer given)"
@@ -162,6 +167,22 @@ def _print_verdict(verdict: dict[str, Any]) -> None:
     if verdict["settings"]:
         line += f"; set {', '.join(verdict['settings'])}"
     console.print(line)
+
+
+def _print_vision(vision: VisionEstimate) -> None:
+    """A VLM's image side, with the assumptions its figures rest on."""
+    console.print(
+        f"vision ({vision.model_type}): vision tower {vision.vision_tower_params:,} + projector "
+        f"{vision.projector_params:,} parameters, counted in the model states as trained (lmforge does not "
+        f"freeze them yet); text model {vision.text_params:,}"
+    )
+    console.print(
+        f"images: {vision.image_tokens_per_image} image tokens per {vision.image_size}x{vision.image_size} "
+        f"image ({vision.sequence_tokens_per_image} sequence tokens with its framing, inside data.max_length); "
+        f"assuming {vision.images_per_sample} image per sample: vision tower activations "
+        f"{vision.activations_per_image / 2**20:.2f} MiB per image, {vision.activations / 2**20:.2f} MiB per micro-batch "
+        f"(in the activations above); {vision.flops_per_image:.3g} training FLOPs per image"
+    )
 
 
 def _gpu_memory(given: str | None) -> tuple[str, str]:

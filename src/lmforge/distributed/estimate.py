@@ -39,6 +39,12 @@ matrices, GaLore 12r/h on its projected matrices); selective checkpointing
 (train.checkpoint_every N) keeps whole layers between the checkpointed ones; activation
 offload leaves one layer's working set on the device (the rest waits in host memory); the
 chunked cross-entropy holds one chunk's fp32 logits and their gradients instead of the batch's.
+
+A vision-language model (a `models.vision` preset, or a model.path whose config has a
+vision_config) adds its vision tower and projector to the model states (all trained: lmforge
+does not freeze them yet), and each image's tower activations (`vision_activation_bytes`) to
+the activations, one image per sample assumed. Its image tokens are positions of the text
+sequence, inside data.max_length; the text figures are the text model's.
 """
 
 from __future__ import annotations
@@ -47,12 +53,24 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 from lmforge.config.schema import CHUNKED_LOSS_TOKENS, LmforgeConfig, OptimizerConfig
 from lmforge.errors import UserInputError
 from lmforge.models.build import architecture_kwargs, config_for_model
 from lmforge.models.presets import POSITION_KEYS
+from lmforge.models.vision import (
+    IDEFICS3_FRAME_TOKENS,
+    IMAGE_TOKENS,
+    VISION_PRESETS,
+    add_image_tokens,
+    image_tokens_per_image,
+    is_vision_config,
+    vision_activation_bytes,
+    vision_flops_per_image,
+    vision_parts,
+    vision_preset_config,
+)
 
 # DeepSpeed's default additional_buffer_factor for CPU memory.
 CPU_BUFFER_FACTOR = 1.5
@@ -112,6 +130,28 @@ class StrategyMemory:
     fits: bool | None
 
 
+# Images per training sample the estimate of a VLM assumes (the shapes task has one per row).
+IMAGES_PER_SAMPLE = 1
+
+
+@dataclass(frozen=True)
+class VisionEstimate:
+    """The image side of a vision-language model's estimate (absent for a text model)."""
+
+    model_type: str
+    vision_tower_params: int
+    projector_params: int
+    text_params: int
+    trainable: bool  # assumed: lmforge does not freeze the vision tower or projector yet
+    images_per_sample: int  # assumed, IMAGES_PER_SAMPLE
+    image_size: int
+    image_tokens_per_image: int
+    sequence_tokens_per_image: int  # the image tokens and the processor's tokens framing them
+    activations_per_image: int  # bytes, with train.gradient_checkpointing as configured
+    activations: int  # micro_batch_size x images_per_sample images, in every strategy's activations
+    flops_per_image: float  # training FLOPs of tower and projector (numerics.VlmFlops.per_image)
+
+
 @dataclass(frozen=True)
 class Estimate:
     """Every strategy's memory and the recommended one (None when nothing fits or no budget)."""
@@ -137,16 +177,24 @@ class Estimate:
     chunked_cross_entropy: bool = False
     logits_full: int = 0
     logits_chunked: int = 0
+    vision: VisionEstimate | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Every field; `vision` only for a vision-language model, so a text model's is as before."""
+        fields = asdict(self)
+        if self.vision is None:
+            del fields["vision"]
+        return fields
 
 
-def model_shape(config: LmforgeConfig) -> ModelShape:
-    """Parameter counts from the model config, built on the meta device (no weights allocated)."""
-    hf_config = _hf_config(config)
+def model_shape(config: LmforgeConfig, hf_config: Any = None) -> ModelShape:
+    """Parameter counts from the model config (`hf_config`, read from `config` when not given), built
+    on the meta device (no weights allocated). A VLM's counts include its vision tower and projector;
+    its widths, layers and vocabulary are its text model's."""
+    hf_config = _hf_config(config) if hf_config is None else hf_config
+    auto = AutoModelForImageTextToText if is_vision_config(hf_config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=config.model.trust_remote_code)
+        model = auto.from_config(hf_config, trust_remote_code=config.model.trust_remote_code)
     total = sum(p.numel() for p in model.parameters())  # parameters() dedups tied weights
     sizes = {name: sum(p.numel() for p in m.parameters(recurse=False)) for name, m in model.named_modules()}
     largest = max(sizes.values())
@@ -183,17 +231,20 @@ def model_shape(config: LmforgeConfig) -> ModelShape:
         vocab_source=_vocab_source(config),
         total_params=total,
         largest_layer_params=largest,
-        hidden_size=int(hf_config.hidden_size),
-        num_layers=int(hf_config.num_hidden_layers),
-        num_heads=int(hf_config.num_attention_heads),
-        kv_size=int(getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads)
-        * int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads),
-        intermediate_size=int(
-            getattr(hf_config, "intermediate_size", None)
-            or getattr(hf_config, "n_inner", None)
-            or 4 * hf_config.hidden_size
+        hidden_size=int(text_config.hidden_size),
+        num_layers=int(text_config.num_hidden_layers),
+        num_heads=int(text_config.num_attention_heads),
+        kv_size=int(getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads)
+        * int(
+            getattr(text_config, "head_dim", None)
+            or text_config.hidden_size // text_config.num_attention_heads
         ),
-        vocab_size=int(hf_config.vocab_size),
+        intermediate_size=int(
+            getattr(text_config, "intermediate_size", None)
+            or getattr(text_config, "n_inner", None)
+            or 4 * text_config.hidden_size
+        ),
+        vocab_size=int(text_config.vocab_size),
         embedding_params=sum(embeddings.values()),
     )
 
@@ -210,6 +261,12 @@ def _hf_config(config: LmforgeConfig) -> Any:
     cfg = config.model
     if cfg.path:
         return AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+    if cfg.preset in VISION_PRESETS:
+        if cfg.config:
+            raise UserInputError(
+                f"model.config: the vision preset {cfg.preset!r} takes no overrides yet; remove model.config"
+            )
+        return vision_preset_config(cfg.preset, _vision_vocab(config))
     kwargs = architecture_kwargs(cfg)
     model_type = kwargs.pop("model_type")
     vocab = None if "vocab_size" in (cfg.config or {}) else _vocab_size(config)
@@ -229,6 +286,50 @@ def _vocab_source(config: LmforgeConfig) -> str:
     if config.tokenizer.train is not None or config.tokenizer.path:
         return "tokenizer"
     return "architecture default"
+
+
+def _vision_vocab(config: LmforgeConfig) -> int | None:
+    """A vision preset's vocabulary: the tokenizer's once `build_vision_model` has added Idefics3's
+    image tokens to it; None without a tokenizer (LlamaConfig's default)."""
+    if config.tokenizer.train is not None:
+        return config.tokenizer.train.vocab_size + len(IMAGE_TOKENS)
+    if config.tokenizer.path is None:
+        return None
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer.path)
+    add_image_tokens(tokenizer)
+    return len(tokenizer)
+
+
+def vision_estimate(
+    hf_config: Any, *, batch: int, seq: int, weight_bytes: int, checkpointing: bool, sdpa: bool
+) -> VisionEstimate:
+    """The image side of a VLM's estimate, IMAGES_PER_SAMPLE images per sample, all of it trained;
+    refused when data.max_length cannot hold a sample's images."""
+    parts = vision_parts(hf_config)
+    per_image = image_tokens_per_image(hf_config)
+    framed = per_image + IDEFICS3_FRAME_TOKENS
+    if IMAGES_PER_SAMPLE * framed > seq:
+        raise UserInputError(
+            f"data.max_length: {seq} tokens cannot hold a sample's {IMAGES_PER_SAMPLE} image(s) of {framed} "
+            f"tokens each ({per_image} image tokens and {IDEFICS3_FRAME_TOKENS} around them); raise it"
+        )
+    acts = vision_activation_bytes(
+        hf_config, weight_bytes=weight_bytes, sdpa=sdpa, checkpointing=checkpointing
+    )
+    return VisionEstimate(
+        model_type=str(hf_config.model_type),
+        vision_tower_params=parts["vision_tower"],
+        projector_params=parts["projector"],
+        text_params=parts["text"],
+        trainable=True,
+        images_per_sample=IMAGES_PER_SAMPLE,
+        image_size=int(hf_config.vision_config.image_size),
+        image_tokens_per_image=per_image,
+        sequence_tokens_per_image=framed,
+        activations_per_image=acts,
+        activations=batch * IMAGES_PER_SAMPLE * acts,
+        flops_per_image=vision_flops_per_image(hf_config, trainable_vision=True),
+    )
 
 
 def _vocab_size(config: LmforgeConfig) -> int | None:
@@ -363,26 +464,36 @@ def estimate_memory(config: LmforgeConfig, *, gpus: int, gpu_mem_bytes: int | No
     """
     if gpus < 1 or nodes < 1:
         raise UserInputError(f"--gpus and --nodes must be at least 1 (got gpus={gpus}, nodes={nodes})")
-    shape = model_shape(config)
+    hf_config = _hf_config(config)
+    shape = model_shape(config, hf_config)
     mixed = config.train.precision != "fp32"
     w = 2 if mixed else 4
     batch, seq = config.train.micro_batch_size, config.data.max_length
     sdpa = config.model.attn_implementation != "eager"
     train = config.train
     every = train.checkpoint_every
+    vision = {
+        ckpt: vision_estimate(hf_config, batch=batch, seq=seq, weight_bytes=w, checkpointing=ckpt, sdpa=sdpa)
+        if is_vision_config(hf_config)
+        else None
+        for ckpt in (False, True)
+    }
+    images = {ckpt: part.activations if part else 0 for ckpt, part in vision.items()}
     acts = {
         ckpt: activation_bytes(
             shape, batch=batch, seq=seq, weight_bytes=w, checkpointing=ckpt, sdpa=sdpa, every=every
         )
+        + images[ckpt]
         for ckpt in (False, True)
     }
     activations = acts[train.gradient_checkpointing]
     offloaded = 0
-    if train.activation_offload:
+    if train.activation_offload:  # the vision tower's activations stay on the device
         on_device = activation_bytes(
             shape, batch=batch, seq=seq, weight_bytes=w, checkpointing=False, sdpa=sdpa, offload=True
         )
-        offloaded, activations = activations - on_device, on_device
+        kept = images[train.gradient_checkpointing]
+        offloaded, activations = activations - kept - on_device, on_device + kept
     full_logits = logits_bytes(shape, batch=batch, seq=seq, weight_bytes=w)
     chunked_logits = chunked_logits_bytes(shape, batch=batch, seq=seq)
     logits = chunked_logits if train.chunked_cross_entropy else full_logits
@@ -417,4 +528,5 @@ def estimate_memory(config: LmforgeConfig, *, gpus: int, gpu_mem_bytes: int | No
         chunked_cross_entropy=train.chunked_cross_entropy,
         logits_full=full_logits,
         logits_chunked=chunked_logits,
+        vision=vision[train.gradient_checkpointing],
     )

@@ -175,7 +175,11 @@ def compute_share(param: torch.Tensor) -> float:
 
 
 def active_parameters(
-    model: torch.nn.Module, *, top_k: int | None = None, experts: int | None = None
+    model: torch.nn.Module,
+    *,
+    top_k: int | None = None,
+    experts: int | None = None,
+    skip: tuple[str, ...] = (),
 ) -> ActiveParameters:
     """This rank's `ActiveParameters`, by the usual conventions (Kaplan et al., torchtitan):
 
@@ -184,7 +188,9 @@ def active_parameters(
     - routed experts (parameters under `.experts.`): a token visits `top_k` of `experts`, so they
       count top_k / experts of their size; shared experts, routers and attention count whole;
     - a pipeline stage counts the parameters it holds, a tensor-parallel rank its shard
-      (`compute_share`); DeepSpeed ZeRO-3's partitioned parameters by their whole size."""
+      (`compute_share`); DeepSpeed ZeRO-3's partitioned parameters by their whole size;
+    - parameters and attention layers whose names hold a piece of `skip` are left out (a VLM's
+      image side, counted per image instead: `vlm_rank_flops`)."""
     getter: Any = getattr(model, "get_output_embeddings", None)
     head = getattr(getter() if callable(getter) else None, "weight", None)
     lookups = {
@@ -195,7 +201,7 @@ def active_parameters(
     routed = top_k / experts if top_k and experts else 1.0
     total = trainable = 0.0
     for name, param in model.named_parameters():
-        if id(param) in lookups:
+        if id(param) in lookups or _skipped(name, skip):
             continue
         size = getattr(param, "ds_numel", None) or param.numel()
         size *= compute_share(param) * (routed if ".experts." in f".{name}" else 1.0)
@@ -203,23 +209,67 @@ def active_parameters(
         trainable += size if param.requires_grad else 0.0
     layers = 0.0
     for name, module in model.named_modules():
-        weights = list(module.parameters()) if name.endswith("self_attn") else []
+        attention = name.endswith("self_attn") and not _skipped(name, skip)
+        weights = list(module.parameters()) if attention else []
         layers += compute_share(weights[0]) if weights else 0.0
     return ActiveParameters(total, trainable, layers)
 
 
-def rank_flops_per_token(model: Any, seq_len: int) -> float:
+def _skipped(name: str, skip: tuple[str, ...]) -> bool:
+    return any(piece in f".{name}." for piece in skip)
+
+
+def rank_flops_per_token(model: Any, seq_len: int, *, skip: tuple[str, ...] = ()) -> float:
     """Training FLOPs per token of the part of `model` this rank computes (`flops_per_token` over
-    `active_parameters`, an MoE's top-k read from its config)."""
+    `active_parameters`, an MoE's top-k read from its config; `skip` as there)."""
     from lmforge.models.moe import expert_count  # transformers: only where a model is measured
 
     config = model.config.get_text_config()
     experts = expert_count(model.config)
     top_k = getattr(config, "num_experts_per_tok", None) if experts else None
-    active = active_parameters(model, top_k=top_k, experts=experts)
+    active = active_parameters(model, top_k=top_k, experts=experts, skip=skip)
     layers = active.layers or float(getattr(config, "num_hidden_layers", 0))
     return flops_per_token(
         active.total, layers, getattr(config, "hidden_size", 0), seq_len, trainable=active.trainable
+    )
+
+
+@dataclass(frozen=True)
+class VlmFlops:
+    """A vision-language model's training FLOPs, in its two currencies: `text_per_token` for each
+    position of the text sequence (image tokens included: the text model runs on them like on
+    words, and lmforge's token count holds them), `per_image` for each image the vision tower
+    and projector encode."""
+
+    text_per_token: float
+    per_image: float
+
+    def step(self, tokens: float, images: float) -> float:
+        """Model FLOPs of a step of `tokens` sequence positions and `images` images."""
+        return tokens * self.text_per_token + images * self.per_image
+
+    def per_token(self, tokens: float, images: float) -> float:
+        """A step's FLOPs spread over its tokens: what `RankFlops.flops_per_token` holds for a VLM,
+        so that `mfu` stays one formula for every model (0 for a step without tokens)."""
+        return self.step(tokens, images) / tokens if tokens else 0.0
+
+
+def vlm_rank_flops(model: Any, seq_len: int) -> VlmFlops:
+    """This rank's `VlmFlops` of a vision-language model: the text side as `rank_flops_per_token`
+    with the image side's parameters and attention layers left out, the image side by
+    `vision_flops_per_image`, trained as its parameters' `requires_grad` say. The image side is
+    counted whole on every rank (lmforge does not split a vision tower)."""
+    from lmforge.models.vision import vision_flops_per_image, vision_parameter_markers
+
+    tower, projector = vision_parameter_markers(model.config)
+    trained = [(name, p.requires_grad) for name, p in model.named_parameters()]
+    return VlmFlops(
+        text_per_token=rank_flops_per_token(model, seq_len, skip=(tower, projector)),
+        per_image=vision_flops_per_image(
+            model.config,
+            trainable_vision=any(grad for name, grad in trained if _skipped(name, (tower,))),
+            trainable_projector=any(grad for name, grad in trained if _skipped(name, (projector,))),
+        ),
     )
 
 
