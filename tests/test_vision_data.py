@@ -118,3 +118,10 @@ def test_a_tiny_vlm_from_a_config_trains_saves_and_reloads_with_the_same_logits(
     assert torch.equal(again["input_ids"], batch["input_ids"])
     with torch.no_grad():
         assert torch.equal(model.eval()(**batch).logits, reloaded.eval()(**again).logits)
+
+
+def test_the_vision_presets_are_the_ones_the_config_layer_names() -> None:
+    from lmforge.config.model_kind import VISION_PRESET_NAMES
+    from lmforge.models.vision import VISION_PRESETS
+
+    assert tuple(VISION_PRESETS) == VISION_PRESET_NAMES

@@ -31,7 +31,7 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder holding the shapes task (task/) and an untrained tiny VLM (model/) whose
     tokenizer was trained on the task's text."""
     root = tmp_path_factory.mktemp("vlm")
-    task = write_shapes_task(root / "task", train_rows=240, eval_rows=16, seed=0)
+    task = write_shapes_task(root / "task", train_rows=1000, eval_rows=64, seed=0)
     rows = [json.loads(line) for line in task.train.read_text().splitlines()]
     texts = [turn["value"] for row in rows for turn in row["conversations"]] * 5
     tokenizer = train_tokenizer(texts, TokenizerTrainConfig(vocab_size=300, min_frequency=1))
@@ -48,13 +48,13 @@ def _config(root: Path, out: Path, data: dict, **train: object) -> Path:
         "data": {"max_length": 64, **data},
         "train": {
             "stage": "sft",
-            "max_steps": 40,
-            "micro_batch_size": 8,
-            "lr": 3e-3,
+            "max_steps": 200,
+            "micro_batch_size": 16,
+            "lr": 1e-3,
             "warmup_steps": 3,
-            "log_every": 5,
-            "eval_every": 20,
-            "save_every": 20,
+            "log_every": 20,
+            "eval_every": 100,
+            "save_every": 100,
             "precision": "fp32",
             **train,
         },
@@ -136,7 +136,8 @@ def test_image_rows_in_three_shapes_are_checked_counted_and_shown(vlm: Path, tmp
         {"path": str(_write_rows(tmp_path / "alpaca.jsonl", alpaca)), "format": "alpaca"},
         {"path": str(_write_rows(tmp_path / "openai.jsonl", openai))},
     ]
-    config = _config(vlm, tmp_path, {"train": sources, "on_bad_row": "skip", "max_bad_fraction": 0.6})
+    data = {"train": sources, "on_bad_row": "skip", "max_bad_fraction": 0.6, "eval_fraction": 0}
+    config = _config(vlm, tmp_path, data, micro_batch_size=2)
     result = run_cli("prepare", str(config), "--show", "1")
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "runs" / "vlm" / "data_report.json").read_text())
@@ -246,9 +247,10 @@ def _summed_losses(model: object, batch: dict, lengths: list[int]) -> list[float
     return sums
 
 
-def test_a_vlm_sft_run_trains_evaluates_with_its_images_and_saves_a_loadable_model(
-    vlm: Path, tmp_path: Path
-) -> None:
+def test_a_tiny_vlm_learns_to_read_the_images_and_saves_a_loadable_model(vlm: Path, tmp_path: Path) -> None:
+    """200 steps on 1,000 shapes rows (30 s on 2 cores): held-out exact match rises from what a
+    text-only guess gets (about 0.29: the colour of a lone shape, 1 in 4; a count, 1 in 3) to over
+    0.6, and falls back when each question is shown another row's image."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     data = {
@@ -261,22 +263,46 @@ def test_a_vlm_sft_run_trains_evaluates_with_its_images_and_saves_a_loadable_mod
     run = tmp_path / "runs" / "vlm"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
-    assert evals[-1] < evals[0] / 3, evals
+    assert evals[-1] < evals[0] / 10, evals
     samples = [json.loads(line) for line in (run / "eval_samples.jsonl").read_text().splitlines()]
-    assert samples and "<image>" in samples[0]["prompt"]
-    final = run / "final"
-    assert (final / "processor_config.json").is_file()
-    # final/ loads as a vision-language model with its processor, and is the last checkpoint's model.
-    processor = AutoProcessor.from_pretrained(final)
-    text = "<|im_start|>user\n<image>what colour is the circle?<|im_end|>\n<|im_start|>assistant\n"
-    image = Image.open(vlm / "task" / "images" / "eval-00000.png")
-    batch = processor(text=[text], images=[[image]], return_tensors="pt")
-    with torch.no_grad():
-        logits = AutoModelForImageTextToText.from_pretrained(final).eval()(**batch).logits
-        checkpoint = AutoModelForImageTextToText.from_pretrained(run / "checkpoints" / "step-40").eval()
-        assert torch.equal(logits, checkpoint(**batch).logits)
-    # `lmforge eval` scores the run's eval prompts with their images.
+    assert samples and "<image>" in samples[0]["prompt"]  # the eval generations saw the images
+    # `lmforge eval` answers every held-out question with its image.
     evaluated = run_cli("eval", str(config))
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-    summary = json.loads((final / "eval.json").read_text())
-    assert summary["run_eval_generations"]["prompts"] == 16
+    generations = json.loads((run / "final" / "eval.json").read_text())["run_eval_generations"]
+    assert generations["prompts"] == 64
+    print("held-out exact match", generations["generation_quality"]["exact_match"])
+    assert generations["generation_quality"]["exact_match"] >= 60  # percent
+
+    # final/ loads as a vision-language model with its processor, and is the last checkpoint's model.
+    final = run / "final"
+    assert (final / "processor_config.json").is_file()
+    model = AutoModelForImageTextToText.from_pretrained(final).eval()
+    processor = AutoProcessor.from_pretrained(final)
+    rows = [json.loads(line) for line in (vlm / "task" / "eval.jsonl").read_text().splitlines()][:32]
+    images = [Image.open(vlm / "task" / row["images"][0]).convert("RGB") for row in rows]
+    first = _prompt(rows[0])
+    batch = processor(text=[first], images=[[images[0]]], return_tensors="pt")
+    with torch.no_grad():
+        checkpoint = AutoModelForImageTextToText.from_pretrained(run / "checkpoints" / "step-200").eval()
+        assert torch.equal(model(**batch).logits, checkpoint(**batch).logits)
+    # The answers come from the pixels: shown another row's image, the model answers that image.
+    right = _exact_matches(model, processor, rows, images)
+    wrong = _exact_matches(model, processor, rows, images[1:] + images[:1])
+    assert right - wrong >= 0.25, (right, wrong)
+
+
+def _prompt(row: dict) -> str:
+    return f"<|im_start|>user\n{row['conversations'][0]['value']}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _exact_matches(model: object, processor: object, rows: list[dict], images: list[object]) -> float:
+    tokenizer = processor.tokenizer  # type: ignore[attr-defined]
+    correct = 0
+    for row, image in zip(rows, images, strict=True):
+        batch = processor(text=[_prompt(row)], images=[[image]], return_tensors="pt")  # type: ignore[operator]
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=4, do_sample=False)  # type: ignore[attr-defined]
+        answer = tokenizer.decode(out[0, batch["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+        correct += answer == row["conversations"][1]["value"]
+    return correct / len(rows)

@@ -12,6 +12,9 @@ from pathlib import Path
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 # The families whose processors lmforge places images with, tested: Idefics3 (SmolVLM's architecture).
 SUPPORTED_VISION_TYPES = ("idefics3",)
+# Vision-language presets (lmforge.models.vision.VISION_PRESETS): `lmforge estimate` sizes them;
+# a run fine-tunes a saved model folder (model.path), whose processor places the images.
+VISION_PRESET_NAMES = ("smolvlm-tiny",)
 
 
 def vision_model_type(path: str | Path | None) -> str | None:

@@ -300,9 +300,15 @@ def _sft_data(
 
 def vision_processor(cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
     """The processor of a vision-language model.path around the run's tokenizer; None for a text model."""
-    from lmforge.config.model_kind import vision_model_type
+    from lmforge.config.model_kind import VISION_PRESET_NAMES, vision_model_type
     from lmforge.data.vision_tokens import load_processor
 
+    if cfg.model.preset in VISION_PRESET_NAMES:
+        raise UserInputError(
+            f"model.preset: {cfg.model.preset} is a vision-language preset, which `lmforge estimate` sizes "
+            "but a run does not build yet. Fix: set model.path to a saved vision-language model folder "
+            "(its weights, tokenizer and processor)"
+        )
     if vision_model_type(cfg.model.path) is None:
         return None
     assert cfg.model.path is not None

@@ -78,9 +78,14 @@ def _draw(path: Path, rng: random.Random, size: int, *, count: int) -> list[tupl
     cell = size // 3
     cells = rng.sample(range(3), count)
     for shape, colour, column in zip(shapes, colours, cells, strict=True):
-        x0 = column * cell + 1
-        y0 = rng.randint(1, size - cell - 1)
-        box = (x0, y0, x0 + cell - 2, y0 + cell - 2)
+        if count == 1:  # a lone shape is drawn large, anywhere: its colour fills several patches
+            side = rng.randint(size // 2, size - 4)
+            x0, y0 = rng.randint(1, size - side - 1), rng.randint(1, size - side - 1)
+            box = (x0, y0, x0 + side, y0 + side)
+        else:
+            x0 = column * cell + 1
+            y0 = rng.randint(1, size - cell - 1)
+            box = (x0, y0, x0 + cell - 2, y0 + cell - 2)
         fill = COLOURS[colour]
         if shape == "circle":
             draw.ellipse(box, fill=fill)
