@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import importlib.abc
 import importlib.util
 import inspect
 import io
@@ -561,26 +562,67 @@ def check_upstream_coupling() -> list[str]:
 def route_deepspeed_logs() -> None:
     """DeepSpeed's "DeepSpeed" logger writes to stdout through a handler of its own and does not
     propagate, so its INFO lines and its import-time "Setting accelerator to CPU" bypass the
-    console filter and train.log alike. Import it with stdout captured (when nothing imported it
-    yet), let its records propagate (the console filter and train.log decide) and replay what the
-    import printed into the log. A no-op without DeepSpeed."""
-    import contextlib
-    import io
+    console filter and train.log alike. Route them when DeepSpeed is imported: at once when it
+    already is, else on its first import (by lmforge, accelerate or PEFT). Importing it eagerly
+    would cost every run that never uses it about 1.2 s of start-up. A no-op without DeepSpeed."""
     import sys
 
     if importlib.util.find_spec("deepspeed") is None:
         return
-    printed = io.StringIO()
-    if "deepspeed" not in sys.modules:
-        with contextlib.redirect_stdout(printed):
-            import deepspeed  # noqa: F401  (the import is what prints)
+    if "deepspeed" in sys.modules:
+        _let_deepspeed_records_propagate("")
+    elif not any(isinstance(finder, _RouteDeepSpeedOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RouteDeepSpeedOnImport())
+
+
+def _let_deepspeed_records_propagate(printed: str) -> None:
+    """Drop DeepSpeed's own stdout handler, let its records reach lmforge's handlers, and replay
+    what its import printed into the log."""
     logger = logging.getLogger("DeepSpeed")
     for handler in list(logger.handlers):
         logger.removeHandler(handler)
     logger.propagate = True
-    for line in printed.getvalue().splitlines():
+    for line in printed.splitlines():
         if line.strip():
             logger.log(logging.WARNING if "[WARNING]" in line else logging.INFO, "%s", line)
+
+
+class _RouteDeepSpeedOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when `deepspeed` is first imported, it wraps the real loader so the
+    import's stdout is captured and its logger routed right after the module runs."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "deepspeed":
+            return None
+        import sys
+
+        # The finders after this one do the finding (a find_spec alone, as accelerate's
+        # is_deepspeed_available does, imports nothing and leaves this finder in place).
+        for finder in sys.meta_path[sys.meta_path.index(self) + 1 :]:
+            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _CapturingLoader(spec.loader, self)
+                return spec
+        return None
+
+
+class _CapturingLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any, finder: _RouteDeepSpeedOnImport) -> None:
+        self.loader, self.finder = loader, finder
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        import sys
+
+        if self.finder in sys.meta_path:
+            sys.meta_path.remove(self.finder)  # routed once, on the one real import
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            self.loader.exec_module(module)
+        _let_deepspeed_records_propagate(printed.getvalue())
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ class RaggedSamples:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
-    def sample(self, index: int) -> dict[str, np.ndarray]:
+    def sample(self, index: int) -> dict[str, Any]:
         start, end = self.offsets[index], self.offsets[index + 1]
         sample: dict[str, Any] = {"input_ids": self.input_ids[start:end], "labels": self.labels[start:end]}
         if self.images is not None:

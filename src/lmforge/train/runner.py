@@ -123,6 +123,12 @@ def _run_locked(
         return _train_run(cfg, plan, paths, setup, extra_callbacks, after_run)
 
 
+def images_per_token(report: dict[str, Any]) -> float:
+    """The training split's images per token, from the data report (0 for text data)."""
+    train = report.get("train", {})
+    return float(train.get("images", 0)) / train["tokens"] if train.get("tokens") else 0.0
+
+
 def _train_run(
     cfg: LmforgeConfig,
     plan: Plan,
@@ -196,6 +202,7 @@ def _train_run(
         update_in_backward=plan.engine == "deepspeed",
         precision=plan.precision,
         oom_ladder_climbed=bool(rungs_before),
+        images_per_token=images_per_token(data.report),
     )
     guard = GuardCallback(
         step,

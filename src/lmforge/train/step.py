@@ -47,6 +47,7 @@ from torch.nn.utils import get_total_norm
 from lmforge.config import LmforgeConfig
 from lmforge.config.stages import stage_guardrails, stage_spec
 from lmforge.distributed.devices import collective_device
+from lmforge.models.vision import is_vision_config
 from lmforge.monitor.guard import Guardrails, Verdict, settings_for_update_in_backward, stage_guard_settings
 from lmforge.monitor.rl_guard import RlGuard
 from lmforge.train.batches import mask_tokens
@@ -61,6 +62,7 @@ from lmforge.train.numerics import (
     peak_flops,
     perplexity,
     rank_flops_per_token,
+    vlm_rank_flops,
 )
 
 if TYPE_CHECKING:
@@ -80,6 +82,14 @@ class OutOfMemoryGivenUp(RuntimeError):
         super().__init__(message)
         self.step = step
         self.micro_batch = micro_batch  # samples per forward pass when memory ran out
+
+
+def model_flops_per_token(model: Any, seq_len: int, images_per_token: float) -> float:
+    """This rank's training FLOPs per token for MFU: a vision-language model's text side per token
+    plus its vision tower's per image, spread over the tokens at the data's images per token."""
+    if is_vision_config(model.config):
+        return vlm_rank_flops(model, seq_len).per_token(1.0, images_per_token)
+    return rank_flops_per_token(model, seq_len)
 
 
 @dataclass
@@ -134,9 +144,12 @@ class TrainStep:
         update_in_backward: bool = False,
         precision: str = "fp32",
         oom_ladder_climbed: bool = False,
+        images_per_token: float = 0.0,
     ) -> TrainStep:
         """The run's step: its guardrails (state restored from `resume`; none when monitoring is off),
         drills and the constants its metrics need. The Trainer adapter binds it to its arguments.
+        `images_per_token`: the training data's images per token (a vision-language run's MFU counts
+        the vision tower's FLOPs per image, spread over the tokens).
 
         `update_in_backward`: the engine applies each update inside backward (DeepSpeed), before
         the guard sees the step's gradient norm, so a bad step can be neither skipped nor rolled
@@ -167,7 +180,7 @@ class TrainStep:
             # On-policy micro-batches are prompt rows the trainer generates from (online RL's in whole
             # groups): not token batches to split in chunks.
             oom_backoff=cfg.monitor.enabled and settings.oom_backoff and not spec.on_policy,
-            flops_per_token=rank_flops_per_token(model, cfg.data.max_length),
+            flops_per_token=model_flops_per_token(model, cfg.data.max_length, images_per_token),
             peak_flops=peak_flops(device, precision) if cfg.monitor.enabled else 0.0,
             peak_measured=datasheet_peak(device) is None,
             mix_tokens=restored_mix_tokens(cfg, resume),
