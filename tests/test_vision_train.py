@@ -56,6 +56,8 @@ def _config(root: Path, out: Path, data: dict, **train: object) -> Path:
             "eval_every": 100,
             "save_every": 100,
             "precision": "fp32",
+            # Trained from scratch, the tower has to learn to see (a pretrained one is frozen by default).
+            "vision": {"tower": "train", "projector": "train"},
             **train,
         },
     }
@@ -290,19 +292,73 @@ def test_a_tiny_vlm_learns_to_read_the_images_and_saves_a_loadable_model(vlm: Pa
     right = _exact_matches(model, processor, rows, images)
     wrong = _exact_matches(model, processor, rows, images[1:] + images[:1])
     assert right - wrong >= 0.25, (right, wrong)
+    # `lmforge generate --image` gives the same greedy reply as the model does in-process.
+    question = rows[0]["conversations"][0]["value"].replace("<image>", "")
+    image_file = vlm / "task" / rows[0]["images"][0]
+    replied = run_cli(
+        "generate", str(final), "--image", str(image_file), "--prompt", question, "--max-new-tokens", "4"
+    )
+    assert replied.returncode == 0, replied.stderr[-2000:]
+    assert replied.stdout.strip() == _greedy(model, processor, rows[0], images[0])
 
 
 def _prompt(row: dict) -> str:
     return f"<|im_start|>user\n{row['conversations'][0]['value']}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def _exact_matches(model: object, processor: object, rows: list[dict], images: list[object]) -> float:
+def _greedy(model: object, processor: object, row: dict, image: object) -> str:
     tokenizer = processor.tokenizer  # type: ignore[attr-defined]
-    correct = 0
-    for row, image in zip(rows, images, strict=True):
-        batch = processor(text=[_prompt(row)], images=[[image]], return_tensors="pt")  # type: ignore[operator]
-        with torch.no_grad():
-            out = model.generate(**batch, max_new_tokens=4, do_sample=False)  # type: ignore[attr-defined]
-        answer = tokenizer.decode(out[0, batch["input_ids"].shape[1] :], skip_special_tokens=True).strip()
-        correct += answer == row["conversations"][1]["value"]
-    return correct / len(rows)
+    batch = processor(text=[_prompt(row)], images=[[image]], return_tensors="pt")  # type: ignore[operator]
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=4, do_sample=False)  # type: ignore[attr-defined]
+    return str(tokenizer.decode(out[0, batch["input_ids"].shape[1] :], skip_special_tokens=True)).strip()
+
+
+def _exact_matches(model: object, processor: object, rows: list[dict], images: list[object]) -> float:
+    answers = [_greedy(model, processor, row, image) for row, image in zip(rows, images, strict=True)]
+    return sum(a == row["conversations"][1]["value"] for a, row in zip(answers, rows, strict=True)) / len(
+        rows
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "vision", "trained_parts"),
+    [
+        ("full", {}, {"language model", "projector"}),  # the default: the tower frozen
+        ("full", {"tower": "train", "projector": "freeze"}, {"language model", "vision tower"}),
+        ("lora", {}, {"language model", "projector"}),  # adapters only where the parts train
+    ],
+)
+def test_train_vision_chooses_which_image_parts_train_and_says_so(
+    vlm: Path, caplog: pytest.LogCaptureFixture, method: str, vision: dict, trained_parts: set[str]
+) -> None:
+    import logging
+
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from lmforge.config.schema import TrainConfig
+    from lmforge.models.methods import apply_training_method
+
+    model = AutoModelForImageTextToText.from_pretrained(vlm / "model")
+    with caplog.at_level(logging.INFO, logger="lmforge.models.methods"):
+        model = apply_training_method(model, TrainConfig(method=method, vision=vision))
+    parts = {"vision tower": ".vision_model.", "projector": ".connector."}
+
+    def part(name: str) -> str:
+        return next((p for p, marker in parts.items() if marker in name), "language model")
+
+    trainable = {part(n) for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == trained_parts
+    if method == "lora":  # frozen parts hold no adapter at all
+        adapted = {part(n) for n, _ in model.named_parameters() if "lora_" in n}
+        assert adapted == trained_parts
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("trainable:"))
+    assert ("vision tower 0 of 80,448" in line) == ("vision tower" not in trained_parts), line
+    # A backward reaches only what trains: the frozen parts get no gradient.
+    tokenizer = AutoTokenizer.from_pretrained(vlm / "model")
+    processor = load_processor(str(vlm / "model"), tokenizer)
+    image = Image.open(vlm / "task" / "images" / "train-00000.png").convert("RGB")
+    batch = processor(text=["<image>what colour is the circle? red"], images=[[image]], return_tensors="pt")
+    model(**batch, labels=batch["input_ids"]).loss.backward()
+    graded = {part(n) for n, p in model.named_parameters() if p.grad is not None}
+    assert graded == trained_parts

@@ -173,8 +173,8 @@ def _print_vision(vision: VisionEstimate) -> None:
     """A VLM's image side, with the assumptions its figures rest on."""
     console.print(
         f"vision ({vision.model_type}): vision tower {vision.vision_tower_params:,} + projector "
-        f"{vision.projector_params:,} parameters, counted in the model states as trained (lmforge does not "
-        f"freeze them yet); text model {vision.text_params:,}"
+        f"{vision.projector_params:,} parameters, counted in the model states as trained, "
+        f"like every weight here (train.vision freezes the tower by default: an upper bound); text model {vision.text_params:,}"
     )
     console.print(
         f"images: {vision.image_tokens_per_image} image tokens per {vision.image_size}x{vision.image_size} "

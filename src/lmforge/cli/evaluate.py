@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -103,10 +104,18 @@ def generate(
     ),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Longest reply, in tokens."),
     temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature; 0 is greedy."),
+    image: list[Path] = typer.Option(
+        None,
+        "--image",
+        help="An image for a vision-language model (repeat for several); placed where the prompt's "
+        "<image> placeholders are, else before the prompt.",
+        show_default=False,
+    ),
 ) -> None:
     """Quick inference with the model's chat template; the reply streams as it is generated.
 
-    Example: `lmforge generate runs/sft/final --prompt 'What is 2 + 3?' --max-new-tokens 32`
+    Example: `lmforge generate runs/sft/final --prompt 'What is 2 + 3?' --max-new-tokens 32`, or
+    with an image: `lmforge generate runs/vlm/final --image cat.png --prompt 'What colour is it?'`
     """
     from lmforge.evaluate.loading import load_for_inference
 
@@ -114,6 +123,10 @@ def generate(
         raise UserInputError(
             f"--temperature: {temperature} is negative; use 0 for greedy or a positive value"
         )
+    images = _open_images(image or [])
+    if images:
+        prompt = _with_placeholders(prompt, len(images))
+        _require_vision_model(model_dir)
     model, tokenizer = load_for_inference(model_dir, adapter)  # torch loads after the path checks
     from transformers import TextStreamer
 
@@ -128,4 +141,55 @@ def generate(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         streamer=streamer,
+        images=images,
+        processor=_vision_processor(model_dir, tokenizer) if images else None,
     )  # the streamer ends the reply with a newline
+
+
+def _open_images(paths: list[Path]) -> list[Any]:
+    """--image files, decoded (an unreadable one named before any model loads)."""
+    from lmforge.data.images import ImageError, inspect_image
+
+    opened = []
+    for path in paths:
+        try:
+            inspect_image(path)
+        except ImageError as err:
+            raise UserInputError(f"--image: {err.detail}") from None
+        from PIL import Image
+
+        with Image.open(path) as picture:
+            opened.append(picture.convert("RGB"))
+    return opened
+
+
+def _with_placeholders(prompt: str, images: int) -> str:
+    """The prompt with one <image> placeholder per image: as written, else the images first."""
+    from lmforge.data.images import IMAGE_PLACEHOLDER
+
+    written = prompt.count(IMAGE_PLACEHOLDER)
+    if written == 0:
+        return IMAGE_PLACEHOLDER * images + prompt
+    if written != images:
+        raise UserInputError(
+            f"--prompt has {written} {IMAGE_PLACEHOLDER} placeholder(s) for {images} --image file(s); "
+            "write one per image, or none to put the images before the prompt"
+        )
+    return prompt
+
+
+def _require_vision_model(model_dir: Path) -> None:
+    from lmforge.config.model_kind import vision_model_type
+
+    if vision_model_type(model_dir) is None:
+        raise UserInputError(
+            f"--image: {model_dir} is not a vision-language model folder with its processor (no config.json "
+            "with a vision_config); give a VLM run's final/ (after lmforge ckpt merge-lora for an adapter run)"
+        )
+
+
+def _vision_processor(model_dir: Path, tokenizer: Any) -> Any:
+    """The processor saved beside a vision-language model (a full run's final/ or a model folder)."""
+    from lmforge.data.vision_tokens import load_processor
+
+    return load_processor(str(model_dir), tokenizer)

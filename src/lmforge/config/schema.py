@@ -338,6 +338,22 @@ class FreezeConfig(Section):
     )
 
 
+class VisionTrainConfig(Section):
+    """A vision-language model's image side: which parts train (LLaMA-Factory's freeze_vision_tower /
+    freeze_multi_modal_projector, ms-swift's freeze_vit / freeze_aligner)."""
+
+    tower: Literal["train", "freeze"] = Field(
+        "freeze",
+        description="The vision tower (image encoder): freeze (default: a pretrained encoder already "
+        "sees; fine-tuning it needs much data) or train (under lora: it gets adapters).",
+    )
+    projector: Literal["train", "freeze"] = Field(
+        "train",
+        description="The projector (connector) from image features to the language model's inputs: "
+        "train (default) or freeze (under lora: train gives it adapters).",
+    )
+
+
 class DpoConfig(Section):
     loss: Literal["sigmoid", "ipo", "orpo", "simpo"] = Field(
         "sigmoid",
@@ -796,6 +812,10 @@ class TrainConfig(Section):
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="Adapter settings for lora/dora/qlora.")
     freeze: FreezeConfig = Field(default_factory=FreezeConfig, description="Settings for method=freeze.")
+    vision: VisionTrainConfig = Field(
+        default_factory=VisionTrainConfig,
+        description="A vision-language model's vision tower and projector: train or freeze, for every method.",
+    )
     dpo: DpoConfig = Field(default_factory=DpoConfig, description="Settings for stage=dpo.")
     kto: KtoConfig = Field(default_factory=KtoConfig, description="Settings for stage=kto.")
     distill: DistillConfig = Field(

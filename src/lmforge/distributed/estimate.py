@@ -41,8 +41,9 @@ offload leaves one layer's working set on the device (the rest waits in host mem
 chunked cross-entropy holds one chunk's fp32 logits and their gradients instead of the batch's.
 
 A vision-language model (a `models.vision` preset, or a model.path whose config has a
-vision_config) adds its vision tower and projector to the model states (all trained: lmforge
-does not freeze them yet), and each image's tower activations (`vision_activation_bytes`) to
+vision_config) adds its vision tower and projector to the model states (as trained, like every
+weight here: a tower frozen by train.vision needs only its weights, so the figure is an upper
+bound), and each image's tower activations (`vision_activation_bytes`) to
 the activations, one image per sample assumed. Its image tokens are positions of the text
 sequence, inside data.max_length; the text figures are the text model's.
 """
@@ -142,7 +143,7 @@ class VisionEstimate:
     vision_tower_params: int
     projector_params: int
     text_params: int
-    trainable: bool  # assumed: lmforge does not freeze the vision tower or projector yet
+    trainable: bool  # assumed, like every weight in the estimate (an upper bound for a frozen tower)
     images_per_sample: int  # assumed, IMAGES_PER_SAMPLE
     image_size: int
     image_tokens_per_image: int

@@ -53,9 +53,17 @@ def generate_ids(
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     streamer: Any = None,
+    images: Sequence[Any] = (),
+    processor: Any = None,
 ) -> list[int]:
-    """New token ids for one conversation; ends with the end-of-turn id when the model stopped."""
-    encoded = tokenizer(render_prompt(tokenizer, messages), add_special_tokens=False, return_tensors="pt")
+    """New token ids for one conversation; ends with the end-of-turn id when the model stopped.
+    A vision-language model's `images` (PIL images, one per `<image>` placeholder in the messages,
+    in order) go through its `processor`, which writes their image tokens and pixels."""
+    text = render_prompt(tokenizer, messages)
+    if images:
+        encoded = processor(text=[text], images=[list(images)], add_special_tokens=False, return_tensors="pt")
+    else:
+        encoded = tokenizer(text, add_special_tokens=False, return_tensors="pt")
     encoded = encoded.to(model.device)
     generate: Any = model.generate  # typed upstream as a Tensor attribute
     output = generate(

@@ -8,6 +8,7 @@ are PEFT-format and load with `PeftModel.from_pretrained`.
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +27,7 @@ from lmforge.models.adapter_audit import (
     report_audit,
 )
 from lmforge.models.moe import add_router_loss_in_training, fused_expert_parameters, is_moe
+from lmforge.models.vision import is_vision_config, vision_parameter_markers
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +53,13 @@ def apply_training_method(
     audit (what got adapters) is logged, and written to `audit_path` when given. A
     Mixture-of-Experts model adds its router loss in every training forward."""
     model: Any = base
+    frozen_image_side = frozen_vision_markers(base, cfg)
     if cfg.method == "freeze":
         freeze_all_but_top_layers(model, cfg.freeze.trainable_layers, cfg.freeze.trainable_modules)
     elif cfg.method in ADAPTER_METHODS:
-        model = _with_adapters(model, cfg, head, audit_path)
+        model = _with_adapters(model, cfg, head, audit_path, excluded=frozen_image_side)
+    if is_vision_config(base.config):
+        _set_image_side(model, cfg, frozen_image_side)
     add_router_loss_in_training(model)
     trainable, total = trainable_parameters(model)
     log.info(
@@ -67,7 +72,46 @@ def apply_training_method(
     return model
 
 
-def _with_adapters(model: Any, cfg: TrainConfig, head: Head, audit_path: Path | None) -> PeftModel:
+def frozen_vision_markers(model: Any, cfg: TrainConfig) -> tuple[str, ...]:
+    """The name pieces of a vision-language model's parts that `train.vision` freezes (none for a
+    text model)."""
+    if not is_vision_config(model.config):
+        return ()
+    tower, projector = vision_parameter_markers(model.config)
+    return tuple(
+        marker
+        for marker, setting in ((tower, cfg.vision.tower), (projector, cfg.vision.projector))
+        if setting == "freeze"
+    )
+
+
+def _set_image_side(model: Any, cfg: TrainConfig, frozen: tuple[str, ...]) -> None:
+    """Freeze the image-side parts `train.vision` freezes; a full or freeze-method run trains the
+    others whole (under an adapter method they train through their adapters). Logs each part's
+    trainable count."""
+    tower, projector = vision_parameter_markers(model.config)
+    whole = cfg.method in ("full", "freeze")
+    counts = {"vision tower": [0, 0], "projector": [0, 0], "language model": [0, 0]}
+    for name, param in model.named_parameters():
+        part = "vision tower" if tower in name else "projector" if projector in name else "language model"
+        if part != "language model":
+            if any(marker in name for marker in frozen):
+                param.requires_grad_(False)
+            elif whole:
+                param.requires_grad_(True)
+        counts[part][0] += param.numel() if param.requires_grad else 0
+        counts[part][1] += param.numel()
+    log.info(
+        "trainable: %s (train.vision: tower %s, projector %s)",
+        "; ".join(f"{part} {done:,} of {total:,}" for part, (done, total) in counts.items()),
+        cfg.vision.tower,
+        cfg.vision.projector,
+    )
+
+
+def _with_adapters(
+    model: Any, cfg: TrainConfig, head: Head, audit_path: Path | None, *, excluded: tuple[str, ...] = ()
+) -> PeftModel:
     """get_peft_model with every requested target checked before and after, and the audit reported."""
     parameters = target_parameters_for(model, cfg)
     if parameters and cfg.method == "dora":
@@ -80,6 +124,8 @@ def _with_adapters(model: Any, cfg: TrainConfig, head: Head, audit_path: Path | 
     if cfg.method == "qlora":
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
     peft_config = lora_config(cfg, head, parameters)
+    if excluded:  # a frozen vision tower / projector gets no adapters
+        peft_config.exclude_modules = "|".join(f".*{re.escape(marker)}.*" for marker in excluded)
     try:
         model = get_peft_model(model, peft_config)
     except ValueError as err:  # a named module PEFT cannot wrap (a router, a norm, ...)
