@@ -362,3 +362,45 @@ def test_train_vision_chooses_which_image_parts_train_and_says_so(
     model(**batch, labels=batch["input_ids"]).loss.backward()
     graded = {part(n) for n, p in model.named_parameters() if p.grad is not None}
     assert graded == trained_parts
+
+
+def test_a_vlm_lora_adapter_merges_into_a_model_with_the_adapters_logits(vlm: Path, tmp_path: Path) -> None:
+    """A LoRA run on the VLM (tower frozen: no adapters there), then `lmforge ckpt merge-lora`:
+    the merged folder loads with AutoModelForImageTextToText and AutoProcessor and gives the
+    adapter-on-base logits; `ckpt convert --to safetensors` keeps the processor too."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    data = {"train": [{"path": str(vlm / "task" / "train.jsonl"), "max_documents": 64}], "eval_fraction": 0}
+    config = _config(vlm, tmp_path, data, method="lora", max_steps=6, eval_every=6, save_every=6, vision={})
+    trained = run_cli("train", str(config))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    final = tmp_path / "runs" / "vlm" / "final"
+    merged = run_cli(
+        "ckpt",
+        "merge-lora",
+        "--base",
+        str(vlm / "model"),
+        "--adapter",
+        str(final / "adapter"),
+        "--out",
+        str(tmp_path / "merged"),
+    )
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    processor = AutoProcessor.from_pretrained(tmp_path / "merged")
+    image = Image.open(vlm / "task" / "images" / "eval-00001.png").convert("RGB")
+    text = "<|im_start|>user\n<image>how many shapes are there?<|im_end|>\n<|im_start|>assistant\n"
+    batch = processor(text=[text], images=[[image]], return_tensors="pt")
+    base = AutoModelForImageTextToText.from_pretrained(vlm / "model")
+    with torch.no_grad():
+        expected = PeftModel.from_pretrained(base, final / "adapter").eval()(**batch).logits
+        got = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged").eval()(**batch).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    converted = run_cli(
+        "ckpt", "convert", str(tmp_path / "merged"), "--to", "safetensors", "--out", str(tmp_path / "st")
+    )
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    assert (tmp_path / "st" / "processor_config.json").is_file()
+    with torch.no_grad():
+        again = AutoModelForImageTextToText.from_pretrained(tmp_path / "st").eval()(**batch).logits
+    torch.testing.assert_close(again, got, atol=0, rtol=0)

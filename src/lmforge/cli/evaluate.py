@@ -108,7 +108,7 @@ def generate(
         None,
         "--image",
         help="An image for a vision-language model (repeat for several); placed where the prompt's "
-        "<image> placeholders are, else before the prompt.",
+        "\\<image> placeholders are, else before the prompt.",
         show_default=False,
     ),
 ) -> None:

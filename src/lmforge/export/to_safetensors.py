@@ -39,6 +39,9 @@ SIDE_FILES = (
     "tokenizer.model",
     "vocab.json",
     "merges.txt",
+    # A vision-language model's image processor and processor settings (AutoProcessor reads them).
+    "preprocessor_config.json",
+    "processor_config.json",
 )
 FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 CONFIG_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
