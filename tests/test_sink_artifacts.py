@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from lmforge.config import load_config
-from lmforge.evaluate.samples import sample_generations, sample_prompts
+from lmforge.evaluate.samples import Prompt, sample_generations, sample_prompts
 from lmforge.monitor.events import EventLog, read_events
 from lmforge.monitor.metrics import read_metrics
 from lmforge.monitor.run_monitor import RunMonitor
@@ -257,19 +257,20 @@ def test_prompts_of_every_row_kind(run_dir: Path) -> None:
     reply = tokenizer("the dog ran", add_special_tokens=False)["input_ids"]
     sft = {"input_ids": ids + reply, "labels": [-100] * len(ids) + reply}
     packed = {"input_ids": [ids + reply, reply + ids], "labels": [[-100] * len(ids) + reply, reply + ids]}
-    assert sample_prompts([sft], tokenizer, 4) == [(ids, "the dog ran")]
+    assert sample_prompts([sft], tokenizer, 4) == [Prompt(ids, "the dog ran")]
     (first, second) = sample_prompts([packed], tokenizer, 4)
-    assert first == (ids, "the dog ran") and second[0] == (reply + ids)[: len(reply + ids) // 2]
+    assert first == Prompt(ids, "the dog ran") and second.ids == (reply + ids)[: len(reply + ids) // 2]
 
     messages = [{"role": "user", "content": "the cat"}]
     dpo = {"prompt": messages, "chosen": [{"role": "assistant", "content": "sat"}], "rejected": []}
     kto = {"prompt": messages, "completion": [{"role": "assistant", "content": "ran"}], "label": False}
-    ((dpo_ids, dpo_ref), (_, kto_ref)) = sample_prompts([dpo, kto], tokenizer, 4)
+    ((dpo_ids, dpo_ref, _), (_, kto_ref, _)) = sample_prompts([dpo, kto], tokenizer, 4)
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert tokenizer.decode(dpo_ids) == rendered and dpo_ref == "sat" and kto_ref is None
 
     block = {"input_ids": list(range(5, 69)), "labels": list(range(5, 69))}
-    ((head, reference),) = sample_prompts([block], tokenizer, 1)
+    ((head, reference, images),) = sample_prompts([block], tokenizer, 1)
+    assert not images  # text rows carry no images
     assert head == list(range(5, 21)) and reference == tokenizer.decode(
         list(range(21, 53)), skip_special_tokens=True
     )

@@ -139,7 +139,7 @@ def _token_prompts(
 ) -> list[Prompt]:
     """The prompt of each sample of a token row (a packed row holds several), with its images."""
     ids, labels = _as_list(item["input_ids"]), _as_list(item["labels"])
-    images = list(item.get("images") or [])
+    images = tuple(item.get("images") or ())
     if not (ids and isinstance(ids[0], list)):
         return [Prompt(*_token_prompt(ids, labels, tokenizer, reference_tokens), images)]
     counts = item.get("image_counts") or [0] * len(ids)
