@@ -123,9 +123,7 @@ def _with_adapters(
     check_targets_exist(model, cfg.lora, parameters)
     if cfg.method == "qlora":
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
-    peft_config = lora_config(cfg, head, parameters)
-    if excluded:  # a frozen vision tower / projector gets no adapters
-        peft_config.exclude_modules = "|".join(f".*{re.escape(marker)}.*" for marker in excluded)
+    peft_config = lora_config(cfg, head, parameters, excluded=excluded)
     try:
         model = get_peft_model(model, peft_config)
     except ValueError as err:  # a named module PEFT cannot wrap (a router, a norm, ...)
@@ -175,9 +173,18 @@ def lora_dropout(cfg: TrainConfig, target_parameters: list[str]) -> float:
     return 0.0
 
 
-def lora_config(cfg: TrainConfig, head: Head, target_parameters: list[str] | None = None) -> PeftLoraConfig:
+def lora_config(
+    cfg: TrainConfig,
+    head: Head,
+    target_parameters: list[str] | None = None,
+    *,
+    excluded: tuple[str, ...] = (),
+) -> PeftLoraConfig:
+    """PEFT's LoraConfig for the run; modules whose names contain an `excluded` piece (a frozen
+    vision tower or projector) get no adapters."""
     lora = cfg.lora
     return PeftLoraConfig(
+        exclude_modules="|".join(f".*{re.escape(marker)}.*" for marker in excluded) or None,
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora_dropout(cfg, target_parameters or []),
