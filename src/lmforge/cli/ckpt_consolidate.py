@@ -32,7 +32,7 @@ def command(
 
     Example: `lmforge ckpt consolidate runs/zero3/checkpoint-500 --out runs/zero3/consolidated`
     """
-    from lmforge.export.consolidate import consolidate
+    from lmforge.export.consolidate import MISSING_PROCESSOR, consolidate
 
     report = consolidate(path, out, max_shard_size=max_shard_size, dtype=dtype, config_dir=config)
     source = f"ZeRO-{report.zero_stage}" if report.zero_stage is not None else report.format
@@ -48,3 +48,5 @@ def command(
         console.print(
             "[yellow]no tokenizer files found next to the checkpoint: the output holds the model only[/]"
         )
+    if report.processor is False:
+        console.print(f"[yellow]{MISSING_PROCESSOR}[/]")

@@ -15,9 +15,11 @@ code lives here.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lmforge.config.model_kind import processor_files
 from lmforge.distributed.expert_parallel import shard_experts_over_data
 from lmforge.distributed.layout import Layout
 from lmforge.distributed.parallel_state import DimensionHooks, ParallelState
@@ -43,16 +45,40 @@ __all__ = [
 
 
 def _layer_classes_to_wrap(model: nn.Module) -> list[str]:
-    """Decoder layer class names FSDP2 should shard as units, from `_no_split_modules`.
+    """Layer class names FSDP2 should shard as units: the repeated blocks `_no_split_modules`
+    points at.
 
     Transformers models list their repeated blocks (e.g. `LlamaDecoderLayer`) there. accelerate
     falls back to the same list, but naming the classes makes the saved TrainingArguments
     self-describing; names not instantiated in this model are dropped because accelerate raises
-    on a class it cannot find.
+    on a class it cannot find. Some entries are a part of a block rather than the block: Idefics3
+    (SmolVLM) lists its vision tower's `Idefics3VisionAttention`, so wrapping by the list leaves the
+    tower's MLPs and norms in the root unit, gathered whole for every forward and mixed with
+    trained parameters. Such an entry is replaced by the repeated block holding it (the element of
+    an `nn.ModuleList`), here `Idefics3EncoderLayer`: one unit per tower layer, all frozen together
+    when the tower is frozen.
     """
-    names = getattr(model, "_no_split_modules", None) or []
-    present = {type(m).__name__ for m in model.modules()}
-    return [n for n in names if n in present]
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    found: dict[str, str] = {}  # a listed class -> the class of the repeated block that holds it
+    for path, module in model.named_modules():  # in model order: the same list on every rank
+        name = type(module).__name__
+        if name in names and name not in found:
+            found[name] = _repeated_block(model, path) or name
+    return list(dict.fromkeys(found.values()))
+
+
+def _repeated_block(model: nn.Module, path: str) -> str | None:
+    """The class name of the innermost `nn.ModuleList` element on the way to the module at `path`
+    (the module itself when it is one), or None when no list holds it."""
+    from torch import nn
+
+    parts = path.split(".") if path else []
+    found = None
+    for depth in range(1, len(parts)):
+        parent = model.get_submodule(".".join(parts[:depth]))
+        if isinstance(parent, nn.ModuleList):
+            found = type(parent[int(parts[depth])]).__name__
+    return found
 
 
 def fsdp_training_arguments(
@@ -160,8 +186,11 @@ class DataShard(DimensionHooks):
         shard_data_over_mesh(trainer, state.mesh, _layer_classes_to_wrap(model))
 
     def model_checkpointed(self, state: ParallelState, trainer: Trainer, checkpoint: str) -> None:
-        if _sharded(trainer) and trainer.args.should_save:
+        if not trainer.args.should_save:
+            return
+        if _sharded(trainer):
             _save_model_description(trainer, Path(checkpoint))
+        _copy_processor_files(trainer, Path(checkpoint))
 
     def save_model(
         self, state: ParallelState, trainer: Trainer, output_dir: str, dtype: torch.dtype | None
@@ -215,6 +244,16 @@ def _save_model_description(trainer: Any, checkpoint: Path) -> None:
         model.generation_config.save_pretrained(checkpoint)
     if trainer.processing_class is not None:
         trainer.processing_class.save_pretrained(checkpoint)
+
+
+def _copy_processor_files(trainer: Any, checkpoint: Path) -> None:
+    """A vision-language model's processor settings beside every checkpoint's model, from the folder
+    the model was loaded from (what final/ copies too): the Trainer saves the tokenizer alone, so
+    `lmforge ckpt consolidate` of a sharded checkpoint, or AutoProcessor on a checkpoint, found
+    no image processor."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    for source in processor_files(getattr(model, "name_or_path", None) or None):
+        shutil.copy2(source, checkpoint / source.name)
 
 
 def _in_configured_dtype(

@@ -23,6 +23,7 @@ from lmforge.ckpt.atomic import staged_directory
 from lmforge.ckpt.dcp_checkpoint import dcp_sources
 from lmforge.ckpt.tensor_source import TensorSource
 from lmforge.ckpt.zero_checkpoint import find_zero_dir
+from lmforge.config.model_kind import PROCESSOR_FILES, vision_model_type
 from lmforge.errors import UserInputError
 from lmforge.export.safetensors_stream import CODES, TensorSpec, parse_size, write_sharded
 from lmforge.export.to_safetensors import FLOAT_DTYPES, SIDE_FILES
@@ -31,6 +32,11 @@ from lmforge.export.zero_assembly import zero_sources
 log = logging.getLogger(__name__)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+MISSING_PROCESSOR = (
+    "a vision-language model, but no processor settings (" + " / ".join(PROCESSOR_FILES) + ") next to "
+    "the checkpoint: AutoProcessor cannot load the output; copy them into it from the model folder the "
+    "run started from (model.path)"
+)
 # Module wrappers that insert a path segment: torch.compile, FSDP1 and activation checkpointing.
 _WRAPPER_SEGMENTS = {"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
 
@@ -46,6 +52,8 @@ class ConsolidateReport:
     zero_stage: int | None = None
     step: int | None = None
     tokenizer: bool = False
+    # A vision-language model's processor settings were copied (None: config.json names a text model).
+    processor: bool | None = None
     skipped: list[str] = field(default_factory=list)  # checkpoint tensors that are not model weights
 
 
@@ -156,11 +164,14 @@ def _write(
     with staged_directory(out) as staging:
         files = write_sharded(staging, specs, tensor_for, max_shard_bytes=max_bytes, desc="consolidate")
         report.tokenizer = _copy_side_files(side, staging, dtype)
+        report.processor = _has_processor(staging)
     report.files = [f.name for f in files]
     report.tensors = len(specs)
     report.parameters = sum(math.prod(s.shape) for s in specs)
     if not report.tokenizer:
         log.warning("%s: no tokenizer files next to the checkpoint; %s holds the model only", side, out)
+    if report.processor is False:
+        log.warning("%s: %s", side, MISSING_PROCESSOR)
 
 
 # ---------------------------------------------------------------- names, config, side files
@@ -229,3 +240,11 @@ def _copy_side_files(side: Path, staging: Path, dtype: torch.dtype) -> bool:
         config[key] = str(dtype).removeprefix("torch.")
     (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return any((staging / name).is_file() for name in _TOKENIZER_FILES)
+
+
+def _has_processor(model_dir: Path) -> bool | None:
+    """Whether a vision-language model's folder holds its processor settings (None: a text model).
+    lmforge's checkpoints carry them since issue 39; older ones and other tools' do not."""
+    if vision_model_type(model_dir) is None:
+        return None
+    return any((model_dir / name).is_file() for name in PROCESSOR_FILES)
