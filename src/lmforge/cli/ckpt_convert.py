@@ -39,7 +39,8 @@ def command(
     ),
 ) -> None:
     """Convert a model to safetensors, GGUF (with a Modelfile for Ollama), ONNX, or a compressed-tensors
-    FP8 / int8 / int4 checkpoint for vLLM.
+    FP8 / int8 / int4 checkpoint for vLLM. A vision-language model (SmolVLM / Idefics3) exports as
+    safetensors; the other formats cannot hold its vision tower here and are refused with the fix.
 
     Example: `lmforge ckpt convert runs/sft/final --to gguf --dtype q8_0 --out export/gguf`
     """

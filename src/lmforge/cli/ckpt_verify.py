@@ -22,7 +22,10 @@ def command(
         None, "--against", help="Reference model (default: the source recorded by lmforge's converter)."
     ),
     data: Path | None = typer.Option(
-        None, "--data", help="Texts (.txt, jsonl {text}) or QA rows to compare on (default: built-in texts)."
+        None,
+        "--data",
+        help="Texts (.txt, jsonl {text}) or QA rows to compare on (default: built-in texts); for a "
+        "vision-language model, conversation rows with images (the run's eval rows), fed with their images.",
     ),
     runtime: str = typer.Option(
         "auto",
@@ -107,9 +110,24 @@ def print_verdict(result: dict) -> None:
                 f"{accuracy['reference']:.1%} (drop {accuracy['drop']:+.1%})",
                 markup=False,
             )
+    print_images(result.get("images") or {})
     if result["passed"]:
         console.print("[bold green]PASS[/]")
     else:
         console.print("[bold red]FAIL[/]")
         for failure in result["failures"]:
             console.print(f"  {failure}", markup=False)
+
+
+def print_images(images: dict) -> None:
+    """A vision-language model's line: on how many images it was compared, or why on none."""
+    if not images:
+        return  # a text model
+    if images["checked"]:
+        console.print(
+            f"images: compared with {images['images']} image(s) fed, on {images['rows_with_images']} of "
+            f"{images['rows']} rows",
+            markup=False,
+        )
+    else:
+        console.print(f"images: NOT checked ({images['why']})", markup=False)

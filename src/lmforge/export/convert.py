@@ -14,6 +14,7 @@ from pathlib import Path
 from lmforge.ckpt.atomic import check_out_path, commit_checkpoint, require_writable
 from lmforge.errors import UserInputError
 from lmforge.export.conversion import Conversion
+from lmforge.export.vision_formats import refuse_vision_export
 
 EXPORT_RECORD = "lmforge_export.json"  # {source, format, dtype, details}: lets verify find its reference
 
@@ -40,6 +41,7 @@ def convert(
         raise UserInputError(f"--to {to!r}: choose one of {', '.join(FORMATS)}")
     if imatrix_data is not None and to != "gguf":
         raise UserInputError(f"--imatrix-data: an importance matrix is for GGUF k-quants, not --to {to}")
+    refuse_vision_export(source, to)  # a format that cannot hold the vision tower, before any work
     check_out_path(out, source)
     require_writable(out.parent, what=f"--out {out}: its directory", fix="pass a writable directory as --out")
     # Written aside and sealed with a hash manifest, then renamed into place: `out` is either

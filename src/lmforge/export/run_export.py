@@ -54,6 +54,11 @@ class ExportOutcome:
                 if "accuracy" in parity:
                     accuracy = parity["accuracy"]
                     line += f", accuracy {accuracy['artifact']:.0%} vs {accuracy['reference']:.0%}"
+                images = verdict.get("images") or {}
+                if images:  # a vision-language model: whether its images were fed, and how many
+                    line += (
+                        f", {images['images']} images fed" if images["checked"] else ", images NOT checked"
+                    )
             lines.append(line)
         return lines
 

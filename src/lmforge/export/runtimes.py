@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -51,36 +52,63 @@ class Artifact:
 
 
 class TransformersRuntime:
-    def __init__(self, model: PreTrainedModel) -> None:
-        self.model = model
+    """A model in transformers; a vision-language model also takes the image files of a sequence
+    (`images`, one per image in its token ids, in order), fed as its own processor makes pixels."""
 
-    def logits(self, token_ids: list[int]) -> np.ndarray:
+    def __init__(self, model: PreTrainedModel, processor: Any = None) -> None:
+        self.model = model
+        self.processor = processor  # a vision-language model's processor, else None
+
+    @property
+    def takes_images(self) -> bool:
+        return self.processor is not None
+
+    def logits(self, token_ids: list[int], images: Sequence[str] = ()) -> np.ndarray:
         import torch
 
         with torch.no_grad():
             ids = torch.tensor([token_ids], device=self.model.device)
-            return self.model(input_ids=ids).logits[0].float().cpu().numpy()
+            return self.model(input_ids=ids, **self._pixels(images)).logits[0].float().cpu().numpy()
 
-    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int, images: Sequence[str] = ()) -> list[int]:
         # A plain argmax loop over the KV cache: generate() would apply the model's generation
-        # config (EOS stopping, minimum lengths), which other runtimes do not share.
+        # config (EOS stopping, minimum lengths), which other runtimes do not share. The pixels go
+        # in with the prompt only; later steps read the images through the cache.
         import torch
 
         new: list[int] = []
         with torch.no_grad():
             ids = torch.tensor([prompt_ids], device=self.model.device)
-            past = None
+            past, pixels = None, self._pixels(images)
             for _ in range(max_new_tokens):
-                out = self.model(input_ids=ids, past_key_values=past, use_cache=True)
-                past = out.past_key_values
+                out = self.model(input_ids=ids, past_key_values=past, use_cache=True, **pixels)
+                past, pixels = out.past_key_values, {}
                 new.append(int(out.logits[0, -1].argmax()))
                 ids = torch.tensor([[new[-1]]], device=self.model.device)
         return new
+
+    def _pixels(self, images: Sequence[str]) -> dict[str, Any]:
+        """The model's image inputs for one sequence's image files (none without images)."""
+        if not images:
+            return {}
+        if self.processor is None:
+            raise UserInputError("a text model was given images; compare it on text only")
+        from lmforge.data.vision_tokens import pixel_inputs
+
+        inputs = pixel_inputs(self.processor.image_processor, [list(images)])
+        dtype = self.model.dtype
+        return {
+            name: value.to(self.model.device, dtype=dtype)
+            if value.is_floating_point()
+            else value.to(self.model.device)
+            for name, value in inputs.items()
+        }
 
 
 def load_reference(path: Path) -> tuple[Artifact, PreTrainedTokenizerBase]:
     """The reference model (HF directory, adapter or a run's final/) in transformers, and its tokenizer."""
     from lmforge.evaluate.loading import load_for_inference
+    from lmforge.models.vision import is_vision_config
     from lmforge.upstream import stderr_to_log
 
     compressed = _compressed_bits(path) is not None
@@ -90,7 +118,37 @@ def load_reference(path: Path) -> tuple[Artifact, PreTrainedTokenizerBase]:
             TransformersRuntime(model).logits([0])  # its weights decompress at the first forward
     kind = "peft-adapter" if hasattr(model, "peft_config") else _hf_format(path)
     runtime = "transformers (compressed-tensors)" if kind == "compressed-tensors" else "transformers"
-    return Artifact(path, kind, runtime, _hf_precision(path), TransformersRuntime(model)), tokenizer
+    processor = load_vision_processor(path, tokenizer) if is_vision_config(model.config) else None
+    return (
+        Artifact(path, kind, runtime, _hf_precision(path), TransformersRuntime(model, processor)),
+        tokenizer,
+    )
+
+
+def load_vision_processor(path: Path, tokenizer: PreTrainedTokenizerBase) -> Any:
+    """The processor saved with the vision-language model at `path` (an HF folder, a run's final/,
+    or an adapter, whose processor may sit with its base), around `tokenizer`; a UserInputError
+    when none is there: without it the model's images cannot be made into its inputs."""
+    from transformers import AutoProcessor
+
+    from lmforge.config.model_kind import PROCESSOR_FILES
+    from lmforge.evaluate.loading import adapter_base
+
+    candidates = [path, path.parent if path.name == "adapter" else path / "adapter"]
+    adapter = next((c for c in (path, path / "adapter") if (c / "adapter_config.json").is_file()), None)
+    if adapter is not None:
+        candidates.append(Path(adapter_base(adapter)))
+    folder = next((c for c in candidates if any((c / name).is_file() for name in PROCESSOR_FILES)), None)
+    if folder is None:
+        raise UserInputError(
+            f"{path}: a vision-language model without its processor settings ({' or '.join(PROCESSOR_FILES)}), "
+            "so its images cannot be made into its inputs. Fix: copy them from the model it was made from "
+            "(lmforge's converters and merge copy them)"
+        )
+    try:
+        return AutoProcessor.from_pretrained(str(folder), tokenizer=tokenizer)
+    except (OSError, ValueError) as err:
+        raise UserInputError(f"{folder}: its processor does not load ({err})") from None
 
 
 def _hf_format(path: Path) -> str:

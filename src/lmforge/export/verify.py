@@ -7,6 +7,10 @@ same token ids. The gates, what a user ships on, are the perplexity increase, th
 of next-token predictions and, on question/answer data, the drop in greedy task accuracy; at 8 bits
 and above the logits and greedy generations must also agree (parity). Every limit has a default per
 precision class (stricter at 8 bits than at 4), overridable (`export.gates`, `ckpt verify --max-*`).
+
+A vision-language reference is compared on images: the data's conversation rows with their image
+files (`vision_verify.py`), pixels made by each side's own processor. An artifact whose runtime
+takes token ids only is compared on text, and the verdict says the images were not checked.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from lmforge.export.runtimes import (
     open_artifact,
     token_logprob_mean,
 )
+from lmforge.export.vision_verify import Scored, image_rows, images_checked
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +104,9 @@ class Verdict:
     reference: str | None = None
     parity: dict[str, Any] = field(default_factory=dict)
     tolerances: dict[str, float] = field(default_factory=dict)
+    # A vision-language model's: {"checked": True, "rows", "rows_with_images", "images"} or
+    # {"checked": False, "why"}; empty for a text model.
+    images: dict[str, Any] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -148,7 +156,7 @@ def verify(
         tolerances or {}
     )
     verdict.tolerances = limits
-    texts, questions = held_out(tokenizer, data, max_tokens, max_rows)
+    texts, questions, verdict.images = compared_on(reference, artifact, tokenizer, data, max_tokens, max_rows)
     verdict.parity = compare(artifact, reference, texts, prompts=prompts, new_tokens=new_tokens)
     verdict.parity["data"] = str(data) if data else "built-in texts"
     if questions:
@@ -164,6 +172,39 @@ def recorded_source(path: Path) -> Path | None:
         return None
     source = Path(json.loads(record.read_text())["source"])
     return source if source.exists() else None
+
+
+def compared_on(
+    reference: Artifact, artifact: Artifact, tokenizer: Any, data: Path | None, max_tokens: int, max_rows: int
+) -> tuple[list[Scored], list[dict[str, Any]], dict[str, Any]]:
+    """The sequences and questions to compare on, and what the verdict says about images: a text
+    model's texts; a vision-language model's rows with their images, when the data has rows and the
+    artifact's runtime takes images, else text with the reason the images were not checked."""
+    from lmforge.evaluate.rows import data_kind
+
+    processor = getattr(reference.runtime, "processor", None)
+    rows = data is not None and data_kind(data) == "qa"
+    why = None
+    if processor is None:
+        pass
+    elif not getattr(artifact.runtime, "takes_images", False):
+        why = (
+            f"{artifact.runtime_name} here takes token ids only, so the model's images could not be fed; "
+            f"compared on {'the built-in texts' if rows else 'text'} alone"
+        )
+        data = None if rows else data
+    elif not rows:
+        why = (
+            "no rows with images to compare on: give rows with images (the run's eval rows, say) as "
+            "`ckpt verify --data` or export.verify_data"
+        )
+    else:
+        assert data is not None
+        scored, questions = image_rows(processor, tokenizer, data, max_rows)
+        return scored, questions, images_checked(scored)
+    pairs, questions = held_out(tokenizer, data, max_tokens, max_rows)
+    images = {} if processor is None else {"checked": False, "why": why}
+    return [(ids, start, ()) for ids, start in pairs], questions, images
 
 
 def held_out(
@@ -210,7 +251,13 @@ def task_accuracy(
     for question in tqdm(questions, desc="verify accuracy", unit="question"):
         answers = {}
         for side, model in (("artifact", artifact), ("reference", reference)):
-            ids = _greedy(model, question["prompt_ids"], question["new_tokens"], cache=side == "reference")
+            ids = _greedy(
+                model,
+                question["prompt_ids"],
+                question["new_tokens"],
+                question.get("images", ()),
+                cache=side == "reference",
+            )
             answers[side] = str(tokenizer.decode(until_stop(ids, stops), skip_special_tokens=True))
             correct[side] += is_correct(answers[side], question["answer"], "exact")
         if len(examples) < 5:
@@ -229,18 +276,18 @@ def task_accuracy(
 def compare(
     artifact: Artifact,
     reference: Artifact,
-    scored: list[tuple[list[int], int]],
+    scored: list[Scored],
     *,
     prompts: int,
     new_tokens: int,
 ) -> dict[str, Any]:
-    """Logit, perplexity and greedy-generation agreement of artifact vs reference."""
+    """Logit, perplexity and greedy-generation agreement of artifact vs reference (with each
+    sequence's images, when it has any)."""
     max_diff = scale = 0.0
     agree = positions = 0
     nll_artifact, nll_reference = [], []
-    sequences = [ids for ids, _ in scored]
-    for ids, start in tqdm(scored, desc="verify logits", unit="seq"):
-        ours, ref = artifact.runtime.logits(ids), reference.runtime.logits(ids)
+    for ids, start, images in tqdm(scored, desc="verify logits", unit="seq"):
+        ours, ref = _logits(artifact, ids, images), _logits(reference, ids, images)
         if getattr(artifact.runtime, "normalized", False):  # vLLM reports log-probabilities
             ref = log_softmax(ref)
         if ours.shape != ref.shape:
@@ -256,10 +303,11 @@ def compare(
         nll_reference.append(token_logprob_mean(ref, ids, start))
     ppl_artifact, ppl_reference = float(np.exp(np.mean(nll_artifact))), float(np.exp(np.mean(nll_reference)))
     generations: list[dict[str, Any]] = []
-    for ids in tqdm(sequences[:prompts], desc="verify greedy", unit="prompt"):
-        prompt = ids[: max(len(ids) // 2, 2)]
-        ours_new = artifact.runtime.greedy(prompt, new_tokens)
-        ref_new = reference.runtime.greedy(prompt, new_tokens)
+    for ids, start, images in tqdm(scored[:prompts], desc="verify greedy", unit="prompt"):
+        # A row with images is prompted up to its answer: half of it could cut an image's tokens.
+        prompt = ids[:start] if images else ids[: max(len(ids) // 2, 2)]
+        ours_new = _greedy(artifact, prompt, new_tokens, images, cache=False)
+        ref_new = _greedy(reference, prompt, new_tokens, images, cache=False)
         # Tokens before the first difference (a runtime that stopped early differs from there on).
         same = next(
             (i for i, (a, b) in enumerate(zip(ours_new, ref_new, strict=False)) if a != b),
@@ -269,8 +317,8 @@ def compare(
             {"prompt_tokens": len(prompt), "agree_tokens": same, "artifact": ours_new, "reference": ref_new}
         )
     return {
-        "sequences": len(sequences),
-        "ppl_of": "every token" if all(start == 1 for _, start in scored) else "the answers' tokens",
+        "sequences": len(scored),
+        "ppl_of": "every token" if all(start == 1 for _, start, _ in scored) else "the answers' tokens",
         "positions": positions,
         "logits_max_abs_diff": max_diff,
         "logits_scale": scale,
@@ -287,15 +335,27 @@ def compare(
 
 
 # The reference's greedy answers, kept while one process verifies several exports of one model.
-_REFERENCE_ANSWERS: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
+_REFERENCE_ANSWERS: dict[tuple[str, tuple[int, ...], int, tuple[str, ...]], list[int]] = {}
 
 
-def _greedy(model: Artifact, prompt_ids: list[int], new_tokens: int, *, cache: bool) -> list[int]:
-    if not cache:
+def _logits(model: Artifact, ids: list[int], images: tuple[str, ...]) -> np.ndarray:
+    # Only a runtime that takes images is given any (compared_on sees to that).
+    return model.runtime.logits(ids, images) if images else model.runtime.logits(ids)  # type: ignore[call-arg]
+
+
+def _greedy(
+    model: Artifact, prompt_ids: list[int], new_tokens: int, images: tuple[str, ...] = (), *, cache: bool
+) -> list[int]:
+    def run() -> list[int]:
+        if images:
+            return model.runtime.greedy(prompt_ids, new_tokens, images)  # type: ignore[call-arg]
         return model.runtime.greedy(prompt_ids, new_tokens)
-    key = (model_fingerprint(Path(model.path)), tuple(prompt_ids), new_tokens)
+
+    if not cache:
+        return run()
+    key = (model_fingerprint(Path(model.path)), tuple(prompt_ids), new_tokens, tuple(images))
     if key not in _REFERENCE_ANSWERS:
-        _REFERENCE_ANSWERS[key] = model.runtime.greedy(prompt_ids, new_tokens)
+        _REFERENCE_ANSWERS[key] = run()
     return _REFERENCE_ANSWERS[key]
 
 

@@ -26,6 +26,7 @@ from lmforge.config.stages import stage_spec
 from lmforge.errors import UserInputError
 from lmforge.evaluate.quality import require_bertscore
 from lmforge.export.gguf_quantize import QUANT_TYPES, require_imatrix_tools, require_quantizer
+from lmforge.export.vision_formats import check_vision_exports
 from lmforge.monitor.sinks import require_sink_packages
 from lmforge.train.precision import require_fp8_device
 from lmforge.upstream import ALLOW_UNTESTED_ENV, check_upstream_versions, untested_versions
@@ -73,6 +74,7 @@ def check_machine_requirements(cfg: LmforgeConfig) -> None:
             raise UserInputError("\n".join(f"{key}: {message}" for key, message in missing))
     if stage_spec(cfg.train.stage).teacher:
         teacher_directory(cfg.train.distill)  # a teacher directory that is not there
+    check_vision_exports(cfg.model.path, list(cfg.export.formats))  # a format without the vision tower
     if "gguf" in cfg.export.formats:
         check_gguf_export_runs_here(cfg)
     if "compressed-tensors" in cfg.export.formats:
