@@ -223,3 +223,45 @@ def test_a_model_and_its_fp8_export_behave_in_vllm_like_the_model_in_transformer
     verdict = json.loads(result.stdout)
     print(export, verdict["parity"]["ppl_increase"], verdict["parity"]["top1_agreement"], verdict["failures"])
     assert verdict["runtime"] == "vllm" and result.returncode == 0, verdict["failures"]
+
+
+def test_qlora_on_a_vlm_trains_adapters_over_a_4bit_text_and_vision_model(tmp_path: Path) -> None:
+    """QLoRA on the tiny SmolVLM-architecture model: the VLM loads through
+    AutoModelForImageTextToText with the same 4-bit settings (tower and text model in Linear4bit),
+    adapters train on the text model and projector (train.vision defaults), and the loss falls."""
+    import yaml
+    from bitsandbytes.nn import Linear4bit
+
+    from lmforge.pipeline.vlm_starter import write_shapes_starter
+
+    write_shapes_starter(tmp_path, train_rows=256, eval_rows=16)
+    config = {
+        "run": {"name": "vlm-qlora", "output_dir": str(tmp_path / "runs"), "seed": 0},
+        "model": {"path": str(tmp_path / "model")},
+        "data": {
+            "train": [{"path": str(tmp_path / "task" / "train.jsonl")}],
+            "eval": [{"path": str(tmp_path / "task" / "eval.jsonl")}],
+            "max_length": 64,
+        },
+        "train": {"stage": "sft", "method": "qlora", "precision": "bf16", "max_steps": 20, "lr": 1e-3},
+    }
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(config))
+    outcome = run_training(load_config(path))
+    losses = [r["loss"] for r in records(outcome.run_dir) if "loss" in r]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0], losses
+    assert PeftConfig.from_pretrained(str(outcome.final_dir / "adapter")).peft_type == "LORA"
+    from lmforge.config.schema import ModelConfig
+    from lmforge.models.build import build_model
+    from lmforge.models.methods import quantization_for
+
+    quantized = build_model(
+        ModelConfig(path=str(tmp_path / "model")),
+        tokenizer=None,  # type: ignore[arg-type]
+        max_length=64,
+        quantization=quantization_for(load_config(path).train, torch.bfloat16),
+    )
+    quantized_names = [name for name, m in quantized.named_modules() if isinstance(m, Linear4bit)]
+    assert any(".vision_model." in n for n in quantized_names) and any(
+        ".text_model." in n for n in quantized_names
+    )

@@ -15,15 +15,14 @@ import yaml
 from conftest import run_cli
 from PIL import Image
 
-from lmforge.config.schema import DataConfig, SourceConfig, TokenizerTrainConfig
+from lmforge.config.schema import DataConfig, SourceConfig
 from lmforge.data.chat import IGNORE_INDEX
 from lmforge.data.collate import PackedCollator, PaddedCollator
 from lmforge.data.images import IMAGE_COUNT, IMAGE_MISSING, IMAGE_UNREADABLE, IMAGE_URL
 from lmforge.data.sft import prepare_sft_data
-from lmforge.data.shapes import write_shapes_task
-from lmforge.data.tokenizer import train_tokenizer
+from lmforge.data.shapes import shapes_pairs
 from lmforge.data.vision_tokens import ImageTokens, VisionCollator, load_processor
-from lmforge.models.vision import build_vision_model, save_vision_model_dir
+from lmforge.pipeline.vlm_starter import write_shapes_starter
 
 
 @pytest.fixture(scope="module")
@@ -31,13 +30,7 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder holding the shapes task (task/) and an untrained tiny VLM (model/) whose
     tokenizer was trained on the task's text."""
     root = tmp_path_factory.mktemp("vlm")
-    task = write_shapes_task(root / "task", train_rows=1000, eval_rows=64, seed=0)
-    rows = [json.loads(line) for line in task.train.read_text().splitlines()]
-    texts = [turn["value"] for row in rows for turn in row["conversations"]] * 5
-    tokenizer = train_tokenizer(texts, TokenizerTrainConfig(vocab_size=300, min_frequency=1))
-    torch.manual_seed(0)
-    model, processor = build_vision_model("smolvlm-tiny", tokenizer)
-    save_vision_model_dir(root / "model", model, processor)
+    write_shapes_starter(root)  # what `python -m lmforge.pipeline.vlm_starter DIR` writes for the examples
     return root
 
 
@@ -249,20 +242,33 @@ def _summed_losses(model: object, batch: dict, lengths: list[int]) -> list[float
     return sums
 
 
-def test_a_tiny_vlm_learns_to_read_the_images_and_saves_a_loadable_model(vlm: Path, tmp_path: Path) -> None:
-    """200 steps on 1,000 shapes rows (30 s on 2 cores): held-out exact match rises from what a
-    text-only guess gets (about 0.29: the colour of a lone shape, 1 in 4; a count, 1 in 3) to over
-    0.6, and falls back when each question is shown another row's image."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
+@pytest.fixture(scope="module")
+def sft_run(vlm: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(config, run folder) of the shapes task's SFT run: 200 steps on 1,000 rows (30 s on 2
+    cores); its final/ is also the DPO test's starting model, as SFT then DPO is how people train."""
+    out = tmp_path_factory.mktemp("sft")
     data = {
         "train": [{"path": str(vlm / "task" / "train.jsonl")}],
         "eval": [{"path": str(vlm / "task" / "eval.jsonl")}],
     }
-    config = _config(vlm, tmp_path, data)
+    config = _config(vlm, out, data)
     result = run_cli("train", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
-    run = tmp_path / "runs" / "vlm"
+    return config, out / "runs" / "vlm"
+
+
+def test_a_tiny_vlm_learns_to_read_the_images_and_saves_a_loadable_model(
+    vlm: Path, sft_run: tuple[Path, Path]
+) -> None:
+    """The SFT run: held-out exact match rises from what a text-only guess gets (about 0.29: the
+    colour of a lone shape, 1 in 4; a count, 1 in 3) to over 0.6, and falls back when each
+    question is shown another row's image."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    config, run = sft_run
+    # Every row asks about its own picture: none is a duplicate, though many ask the same question.
+    report = json.loads((run / "data_report.json").read_text())
+    assert report["exact_duplicates_in_train"] == 0 and report["eval_samples_also_in_train"] == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     assert evals[-1] < evals[0] / 10, evals
@@ -284,6 +290,14 @@ def test_a_tiny_vlm_learns_to_read_the_images_and_saves_a_loadable_model(vlm: Pa
     rows = [json.loads(line) for line in (vlm / "task" / "eval.jsonl").read_text().splitlines()][:32]
     images = [Image.open(vlm / "task" / row["images"][0]).convert("RGB") for row in rows]
     first = _prompt(rows[0])
+    # What TRL, vLLM and AutoProcessor users send (content as image and text parts) renders as the
+    # rows lmforge trained on.
+    question = rows[0]["conversations"][0]["value"].replace("<image>", "")
+    parts = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    assert processor.apply_chat_template(parts, add_generation_prompt=True, tokenize=False) == first
+    # ... and generation still stops at the end of the turn (the template is still known as ChatML).
+    stops = json.loads((final / "generation_config.json").read_text())["eos_token_id"]
+    assert processor.tokenizer.convert_tokens_to_ids("<|im_end|>") in stops
     batch = processor(text=[first], images=[[images[0]]], return_tensors="pt")
     with torch.no_grad():
         checkpoint = AutoModelForImageTextToText.from_pretrained(run / "checkpoints" / "step-200").eval()
@@ -293,7 +307,6 @@ def test_a_tiny_vlm_learns_to_read_the_images_and_saves_a_loadable_model(vlm: Pa
     wrong = _exact_matches(model, processor, rows, images[1:] + images[:1])
     assert right - wrong >= 0.25, (right, wrong)
     # `lmforge generate --image` gives the same greedy reply as the model does in-process.
-    question = rows[0]["conversations"][0]["value"].replace("<image>", "")
     image_file = vlm / "task" / rows[0]["images"][0]
     replied = run_cli(
         "generate", str(final), "--image", str(image_file), "--prompt", question, "--max-new-tokens", "4"
@@ -404,3 +417,134 @@ def test_a_vlm_lora_adapter_merges_into_a_model_with_the_adapters_logits(vlm: Pa
     with torch.no_grad():
         again = AutoModelForImageTextToText.from_pretrained(tmp_path / "st").eval()(**batch).logits
     torch.testing.assert_close(again, got, atol=0, rtol=0)
+
+
+def _preference_rows(vlm: Path, split: str, count: int) -> list[dict]:
+    """The shapes task's dpo pairs (lmforge.data.shapes: LLaMA-Factory's sharegpt layout), every
+    fourth in TRL's conversational shape instead (a source holds one shape: write them apart)."""
+    pairs = shapes_pairs(vlm / "task" / f"{split}.jsonl")[:count]
+    for pair in pairs:
+        pair["images"] = [str(vlm / "task" / pair["images"][0])]
+    for pair in pairs[::4]:
+        text = pair.pop("conversations")[0]["value"].replace("<image>", "")
+        pair["prompt"] = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+        pair["chosen"] = [{"role": "assistant", "content": pair["chosen"]["value"]}]
+        pair["rejected"] = [{"role": "assistant", "content": pair["rejected"]["value"]}]
+    return pairs
+
+
+def _preference_accuracy(
+    model: object, reference: object, processor: object, rows: list[dict], images: list
+) -> float:
+    """How often DPO's implicit reward (the policy's log-probability gain over the reference)
+    ranks the chosen answer above the rejected one, each question shown `images`."""
+    tokenizer = processor.tokenizer  # type: ignore[attr-defined]
+
+    def logp(net: object, row: dict, answer: str, image: object) -> float:
+        prompt = _prompt(row)
+        whole = processor(text=[prompt + answer + "<|im_end|>"], images=[[image]], return_tensors="pt")  # type: ignore[operator]
+        start = len(processor(text=[prompt], images=[[image]])["input_ids"][0])  # type: ignore[operator]
+        with torch.no_grad():
+            logits = net(**whole).logits[0, :-1].log_softmax(-1)  # type: ignore[operator]
+        targets = whole["input_ids"][0, 1:]
+        return float(logits.gather(-1, targets[:, None])[start - 1 :].sum())
+
+    wins = 0
+    for row, image in zip(rows, images, strict=True):
+        chosen, rejected = row["chosen"]["value"], row["rejected"]["value"]
+        margin = [
+            logp(net, row, chosen, image) - logp(net, row, rejected, image) for net in (model, reference)
+        ]
+        wins += margin[0] > margin[1]
+    del tokenizer
+    return wins / len(rows)
+
+
+def test_dpo_on_a_vlm_prefers_the_answer_its_image_supports(
+    vlm: Path, sft_run: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """SFT then DPO on image pairs (LLaMA-Factory's and TRL's shapes, through TRL's DPOTrainer with
+    the model's processor): the pairs' images are counted and checked, the DPO loss falls, and on
+    held-out pairs the trained model's implicit reward ranks the right answer first far more often
+    with the pair's own image than with another row's. Pairs with images are refused by stages
+    that train on text only."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    base = sft_run[1] / "final"
+    pairs = _preference_rows(vlm, "train", 480)
+    sharegpt = [p for p in pairs if "conversations" in p]
+    sharegpt.append(
+        {**sharegpt[1], "chosen": {"from": "gpt", "value": "<image>red"}}
+    )  # an image in an answer
+    sharegpt.append({**sharegpt[1], "images": [str(tmp_path / "gone.png")]})
+    sources = [
+        {"path": str(_write_rows(tmp_path / name, rows)), "format": "preference"}
+        for name, rows in (
+            ("llamafactory.jsonl", sharegpt),
+            ("trl.jsonl", [p for p in pairs if "prompt" in p]),
+        )
+    ]
+    eval_file = _write_rows(
+        tmp_path / "pairs-eval.jsonl", [p for p in _preference_rows(vlm, "eval", 64) if "conversations" in p]
+    )
+    config = {
+        "run": {"name": "dpo", "output_dir": str(tmp_path / "runs"), "seed": 0},
+        "model": {"path": str(base)},
+        "data": {
+            "train": sources,
+            "eval": [{"path": str(eval_file), "format": "preference"}],
+            "max_length": 64,
+            "on_bad_row": "skip",
+        },
+        "train": {
+            "stage": "dpo",
+            "max_steps": 30,
+            "micro_batch_size": 16,
+            "lr": 1e-4,  # 5e-4 raises the margin faster and costs a third of the exact-match answers
+            "warmup_steps": 3,
+            "log_every": 10,
+            "eval_every": 30,
+            "save_every": 30,
+            "precision": "fp32",
+            "vision": {"tower": "train", "projector": "train"},
+        },
+    }
+    path = tmp_path / "dpo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = run_cli("train", str(path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = tmp_path / "runs" / "dpo"
+    report = json.loads((run / "data_report.json").read_text())
+    assert report["train"]["images"] == report["train"]["rows_with_images"] == 480
+    assert report["eval"]["images"] == 48
+    quarantined = [json.loads(line)["reason"] for line in (run / "bad_rows.jsonl").read_text().splitlines()]
+    assert sorted(quarantined) == ["image missing", "image placeholders"]
+    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["eval_loss"] for r in evals if "eval_loss" in r]
+    assert losses[0] == pytest.approx(0.6931, abs=1e-3) and losses[-1] < 0.62, losses
+    samples = [json.loads(line) for line in (run / "eval_samples.jsonl").read_text().splitlines()]
+    assert "<image>" in samples[0]["prompt"]  # eval generations answered with the pair's image
+
+    processor = AutoProcessor.from_pretrained(run / "final")
+    model = AutoModelForImageTextToText.from_pretrained(run / "final").eval()
+    reference = AutoModelForImageTextToText.from_pretrained(base).eval()
+    rows = [r for r in _preference_rows(vlm, "eval", 48) if "conversations" in r]
+    images = [Image.open(r["images"][0]).convert("RGB") for r in rows]
+    right = _preference_accuracy(model, reference, processor, rows, images)
+    swapped = _preference_accuracy(model, reference, processor, rows, images[1:] + images[:1])
+    print("held-out preference accuracy", right, "with another row's image", swapped)
+    assert right >= 0.7 and right - swapped >= 0.25, (right, swapped)
+    # DPO sharpened the preference without costing the SFT model its answers.
+    questions = [{"conversations": [r["conversations"][0], r["chosen"]], "images": r["images"]} for r in rows]
+    before = _exact_matches(reference, processor, questions, images)
+    after = _exact_matches(model, processor, questions, images)
+    print("held-out exact match before DPO", before, "after", after)
+    assert after >= before - 0.05, (before, after)
+
+    # kto trains on text only: its image rows are refused before any work, with the fix.
+    config["train"]["stage"] = "kto"
+    config["run"]["name"] = "kto"
+    path.write_text(yaml.safe_dump(config))
+    refused = run_cli("prepare", str(path))
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "the row has images, but train.stage: kto trains on text only" in refused.stderr

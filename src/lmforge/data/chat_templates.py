@@ -32,6 +32,7 @@ from lmforge.data.chat_template_tool_texts import (
     QWEN3_NOTHINK_TEMPLATE,
     QWEN3_TEMPLATE,
 )
+from lmforge.data.images import IMAGE_PLACEHOLDER
 from lmforge.data.tokenizer import CHATML_TEMPLATE
 from lmforge.errors import UserInputError
 
@@ -107,8 +108,40 @@ def canonical_name(name: str) -> str:
 
 
 def builtin_template_name(template: object) -> str | None:
-    """The built-in whose text `template` is (a tokenizer's chat_template), or None for any other."""
-    return _NAME_OF_TEXT.get(template) if isinstance(template, str) else None
+    """The built-in whose text `template` is (a tokenizer's chat_template, also once
+    `with_image_parts` prefixed it), or None for any other."""
+    return _NAME_OF_TEXT.get(template.removeprefix(IMAGE_PARTS_PREFIX)) if isinstance(template, str) else None
+
+
+# Put before a text chat template, this lets it render what vision-language tools send: a message
+# whose content is a list of parts (TRL's, vLLM's and AutoProcessor.apply_chat_template's
+# {"type": "image"} / {"type": "text", "text": ...}) becomes its text with the placeholder where
+# each image is; text content passes through, so the template renders text messages as before.
+IMAGE_PARTS_PREFIX = (
+    "{%- set lmforge_parts = namespace(messages=[]) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['content'] is string or message['content'] is none -%}"
+    "{%- set lmforge_parts.messages = lmforge_parts.messages + [message] -%}"
+    "{%- else -%}"
+    "{%- set lmforge_text = namespace(value='') -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] in ('image', 'image_url') -%}"
+    "{%- set lmforge_text.value = lmforge_text.value + '" + IMAGE_PLACEHOLDER + "' -%}"
+    "{%- elif part['type'] == 'text' -%}"
+    "{%- set lmforge_text.value = lmforge_text.value + part['text'] -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- set lmforge_parts.messages = lmforge_parts.messages"
+    " + [{'role': message['role'], 'content': lmforge_text.value}] -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- set messages = lmforge_parts.messages -%}\n"
+)
+
+
+def with_image_parts(template: str) -> str:
+    """`template` made to take messages whose content is a list of image and text parts (idempotent)."""
+    return template if template.startswith(IMAGE_PARTS_PREFIX) else IMAGE_PARTS_PREFIX + template
 
 
 def ensure_template_tokens(tokenizer: PreTrainedTokenizerBase, name: str | None) -> list[str]:

@@ -51,6 +51,8 @@ class PreferencePair:
     rejected: Message
     origin: Origin
     tools: list[dict[str, Any]] | None = None
+    # The prompt's images (absolute paths, checked), one per `<image>` placeholder in its turns.
+    images: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -60,6 +62,7 @@ class LabeledConversation:
     messages: list[Message]
     label: bool
     origin: Origin
+    images: list[str] = field(default_factory=list)  # refused by the stages that take these rows
 
 
 Example = Conversation | PreferencePair | LabeledConversation

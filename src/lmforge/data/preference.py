@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from datasets import Dataset, load_from_disk
@@ -31,15 +31,30 @@ from lmforge.config.stages import stage_spec
 from lmforge.data.bad_rows import BadRowPolicy
 from lmforge.data.chat import Dropped, TokenizedSample, adopt_template, tokenize_conversations
 from lmforge.data.chat_render import message_dicts
-from lmforge.data.examples import Conversation, Example, LabeledConversation, Message, PreferencePair
+from lmforge.data.examples import (
+    Conversation,
+    Example,
+    LabeledConversation,
+    Message,
+    Origin,
+    PreferencePair,
+)
 from lmforge.data.formats import valid_examples
 from lmforge.data.prep import prepare, split_holdout
 from lmforge.data.sft import sft_fingerprint
 from lmforge.data.stats import length_histogram
 from lmforge.errors import UserInputError
 
-CODE_VERSION = "preference-v1"
+if TYPE_CHECKING:
+    from lmforge.data.vision_tokens import ImageTokens
+
+CODE_VERSION = "preference-v2"
 _CHUNK = 512
+# The stages whose rows may hold images: TRL's DPOTrainer feeds a vision-language model the
+# pixels with the prompt; the others' trainers take text only.
+IMAGE_STAGES = ("dpo",)
+# (prompt, answers, kto label, (origin, tools, prompt images)): one length-checked unit of a row.
+_Unit = tuple[list[Message], list[Message], bool | None, tuple[Origin, Any, list[str]]]
 
 
 @dataclass
@@ -60,13 +75,16 @@ def prepare_preference_data(
     seed: int,
     cache_dir: Path,
     quarantine_path: Path,
+    image_tokens: ImageTokens | None = None,
 ) -> PreparedPreference:
     """Read, validate and length-check preference or KTO rows; cached under a fingerprint.
 
     The tokenizer carries the template the data was checked with (`adopt_template`), so
-    TRL's tokenization, `final/` and `lmforge generate` all use that template.
+    TRL's tokenization, `final/` and `lmforge generate` all use that template. A vision-language
+    model's `image_tokens` count each prompt image's tokens in the lengths (dpo rows may hold
+    images; each row keeps its image paths in an `images` column).
     """
-    kind = _PreferenceKind(cfg, tokenizer, stage, seed, quarantine_path)
+    kind = _PreferenceKind(cfg, tokenizer, stage, seed, quarantine_path, image_tokens)
     prepared = prepare(kind, cfg, seed=seed, cache_dir=cache_dir)
     train, evaluation = prepared.data
     return PreparedPreference(train, evaluation, prepared.fingerprint, prepared.report)
@@ -84,19 +102,22 @@ class _PreferenceKind:
         stage: str,
         seed: int,
         quarantine_path: Path,
+        image_tokens: ImageTokens | None,
     ) -> None:
         self.cfg, self.tokenizer, self.stage, self.seed = cfg, tokenizer, stage, seed
         self.template = adopt_template(tokenizer, cfg.chat_template)
+        self.image_tokens = image_tokens
         self.bad_rows: BadRowPolicy | None = BadRowPolicy(
             cfg.on_bad_row, cfg.max_bad_fraction, quarantine_path
         )
-        self.checker = _LengthChecker(cfg, tokenizer, self.template)
+        self.checker = _LengthChecker(cfg, tokenizer, self.template, image_tokens)
         self.meta: dict[str, Any] = {}
         self.timings: dict[str, float] = {}
 
     def fingerprint(self) -> str:
         sft = sft_fingerprint(self.cfg, self.tokenizer, self.template, self.seed)
-        return hashlib.sha256(f"{CODE_VERSION}:{self.stage}:{sft}".encode()).hexdigest()
+        images = self.image_tokens.fingerprint() if self.image_tokens is not None else "text"
+        return hashlib.sha256(f"{CODE_VERSION}:{self.stage}:{sft}:{images}".encode()).hexdigest()
 
     def cache_name(self, fingerprint: str) -> str:
         return f"{self.stage}-{fingerprint}"
@@ -123,9 +144,10 @@ class _PreferenceKind:
         return [train[i] for i in train_rows], [train[i] for i in eval_rows]
 
     def save(self, train: list[_Row], evaluation: list[_Row] | None, workdir: Path) -> None:
-        Dataset.from_list([row.record for row in train]).save_to_disk(str(workdir / "train"))
+        with_images = any("images" in row.record for row in [*train, *(evaluation or [])])
+        _records(train, with_images).save_to_disk(str(workdir / "train"))
         if evaluation:
-            Dataset.from_list([row.record for row in evaluation]).save_to_disk(str(workdir / "eval"))
+            _records(evaluation, with_images).save_to_disk(str(workdir / "eval"))
 
     def report(self, train: list[_Row], evaluation: list[_Row] | None) -> dict[str, Any]:
         assert self.bad_rows is not None
@@ -142,6 +164,14 @@ class _PreferenceKind:
         }
 
 
+def _records(rows: list[_Row], with_images: bool) -> Dataset:
+    """The rows' TRL records as a dataset; when any row has images every row gets the column (a
+    text-only pair an empty list), since a dataset's columns come from its first row."""
+    if with_images:
+        return Dataset.from_list([{"images": [], **row.record} for row in rows])
+    return Dataset.from_list([row.record for row in rows])
+
+
 @dataclass
 class _Row:
     """One TRL row with what the report needs: token lengths and a content key for duplicates."""
@@ -156,13 +186,20 @@ class _Row:
 class _LengthChecker:
     """Tokenizes each answer with its prompt exactly as training will, to apply `over_length`."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, template: str) -> None:
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        template: str,
+        image_tokens: ImageTokens | None,
+    ) -> None:
         self.cfg, self.tokenizer, self.template = cfg, tokenizer, template
+        self.image_tokens = image_tokens
         self.dropped: Counter[str] = Counter()
 
     def rows(self, examples: Iterable[Example], stage: str, split: str) -> list[_Row]:
         out: list[_Row] = []
-        chunk: list[tuple[list[Message], list[Message], bool | None, Any]] = []
+        chunk: list[_Unit] = []
         with tqdm(desc=f"check lengths {split}", unit="row") as bar:
             for example in examples:
                 chunk.extend(_as_prompt_and_answers(example, stage))
@@ -175,15 +212,15 @@ class _LengthChecker:
 
     def _check(
         self,
-        chunk: Sequence[tuple[list[Message], list[Message], bool | None, Any]],
+        chunk: Sequence[_Unit],
         stage: str,
         split: str,
     ) -> list[_Row]:
         if not chunk:
             return []
         conversations = [
-            Conversation([*prompt, answer], origin, tools)
-            for prompt, answers, _, (origin, tools) in chunk
+            Conversation([*prompt, answer], origin, tools, images=images)
+            for prompt, answers, _, (origin, tools, images) in chunk
             for answer in answers
         ]
         results = iter(
@@ -194,26 +231,31 @@ class _LengthChecker:
                 train_on="last_assistant",
                 max_length=self.cfg.max_length,
                 over_length=self.cfg.over_length,
+                image_tokens=self.image_tokens,
             )
         )
         rows = []
-        for prompt, answers, label, (_, tools) in chunk:
+        for prompt, answers, label, (_, tools, images) in chunk:
             samples = [next(results) for _ in answers]
             dropped = [s for s in samples if isinstance(s, Dropped)]
             if dropped:
                 self.dropped[f"{split}: {dropped[0].reason}"] += 1
                 continue
-            rows.append(_row(prompt, answers, label, tools, samples, stage))  # type: ignore[arg-type]
+            rows.append(_row(prompt, answers, label, tools, images, samples, stage))  # type: ignore[arg-type]
         return rows
 
 
-def _as_prompt_and_answers(
-    example: Example, stage: str
-) -> list[tuple[list[Message], list[Message], bool | None, Any]]:
+def _as_prompt_and_answers(example: Example, stage: str) -> list[_Unit]:
     """(prompt, answers, kto label, (origin, tools)) units; KTO reads a pair as one good and one bad row."""
     kind = stage_spec(stage).data_kind
+    if example.images and stage not in IMAGE_STAGES:
+        raise UserInputError(
+            f"{example.origin.file}:{example.origin.line}: the row has images, but train.stage: {stage} "
+            f"trains on text only; images are trained by sft and {', '.join(IMAGE_STAGES)}. Fix: use one of "
+            "those stages, or remove the images column and the <image> placeholders"
+        )
     if isinstance(example, PreferencePair):
-        meta = (example.origin, example.tools)
+        meta = (example.origin, example.tools, example.images)
         if kind == "labelled":
             return [
                 (example.prompt, [example.chosen], True, meta),
@@ -221,14 +263,16 @@ def _as_prompt_and_answers(
             ]
         return [(example.prompt, [example.chosen, example.rejected], None, meta)]
     if isinstance(example, LabeledConversation) and kind == "labelled":
-        return [(example.messages[:-1], [example.messages[-1]], example.label, (example.origin, None))]
+        meta = (example.origin, None, example.images)
+        return [(example.messages[:-1], [example.messages[-1]], example.label, meta)]
     if kind == "prompts":
         # A prompt and its reference answer: the conversation's last assistant turn, or the chosen
         # answer of a preference pair.
         if isinstance(example, Conversation):
-            return [(example.messages[:-1], [example.messages[-1]], None, (example.origin, example.tools))]
+            meta = (example.origin, example.tools, example.images)
+            return [(example.messages[:-1], [example.messages[-1]], None, meta)]
         if isinstance(example, PreferencePair):
-            return [(example.prompt, [example.chosen], None, (example.origin, example.tools))]
+            return [(example.prompt, [example.chosen], None, (example.origin, example.tools, []))]
     wanted = (
         "kto rows or preference pairs"
         if kind == "labelled"
@@ -245,6 +289,7 @@ def _row(
     answers: list[Message],
     label: bool | None,
     tools: Any,
+    images: list[str],
     samples: list[TokenizedSample],
     stage: str,
 ) -> _Row:
@@ -259,6 +304,8 @@ def _row(
         record = {"prompt": prompt_dicts, "chosen": answer_dicts[0], "rejected": answer_dicts[1]}
     if tools:
         record["tools"] = json.dumps(tools)
+    if images:
+        record["images"] = images
     supervised = [int((s.labels != -100).sum()) for s in samples]
     prompt_tokens = len(samples[0].input_ids) - supervised[0]
     key = hashlib.blake2b(json.dumps(record, sort_keys=True).encode(), digest_size=16).hexdigest()
@@ -280,8 +327,42 @@ def _split_report(rows: list[_Row]) -> dict[str, Any]:
             np.array([r.prompt_tokens + n for r in rows for n in r.answer_tokens])
         ),
     }
+    images = [len(r.record.get("images", [])) for r in rows]
+    if any(images):
+        report["images"] = sum(images)
+        report["rows_with_images"] = sum(count > 0 for count in images)
     labels = [r.label for r in rows if r.label is not None]
     if labels:
         report["desirable"] = sum(labels)
         report["undesirable"] = len(labels) - sum(labels)
     return report
+
+
+def rendered_image_pairs(dataset: Dataset, tokenizer: PreTrainedTokenizerBase) -> Dataset:
+    """dpo rows with images in the form TRL's vision collator takes: the prompt rendered by the
+    run's chat template (its `<image>` placeholders left for the processor to expand, the same
+    expansion the length check counted), each answer as the text the template adds after it, and
+    the image paths (the processor opens them). `reference` keeps the chosen answer's text, what
+    eval generations score against."""
+
+    def render(row: dict[str, Any]) -> dict[str, str]:
+        tools = json.loads(row["tools"]) if row.get("tools") else None
+        prompt = str(
+            tokenizer.apply_chat_template(
+                row["prompt"], tools=tools, tokenize=False, add_generation_prompt=True
+            )
+        )
+        answers = {}
+        for column in ("chosen", "rejected"):
+            whole = str(
+                tokenizer.apply_chat_template(row["prompt"] + row[column], tools=tools, tokenize=False)
+            )
+            if not whole.startswith(prompt):
+                raise UserInputError(
+                    "the chat template renders a prompt differently alone and before its answer, so the "
+                    "answer's text cannot be cut from it; set data.chat_template to a catalogue template"
+                )
+            answers[column] = whole[len(prompt) :]
+        return {"prompt": prompt, **answers, "reference": row["chosen"][-1]["content"]}
+
+    return dataset.map(render, desc="render image pairs")

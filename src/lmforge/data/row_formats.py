@@ -39,7 +39,7 @@ from lmforge.data.examples import (
     PreferencePair,
 )
 from lmforge.data.format_detection import LAYOUT_COLUMNS, RowFormat
-from lmforge.data.images import ImageError, check_row_images
+from lmforge.data.images import IMAGE_COUNT, IMAGE_PLACEHOLDER, ImageError, check_row_images
 
 
 def read_row(data: Any, origin: Origin, row_format: RowFormat, raw: str = "") -> Example | BadRow:
@@ -70,16 +70,30 @@ def _read_example(row: dict[str, Any], origin: Origin, fmt: RowFormat) -> Exampl
             fmt = RowFormat(
                 "messages", "preference", {**LAYOUT_COLUMNS["messages"], **cols, "messages": cols["prompt"]}
             )
-        prompt = _conversation(row, fmt, final="user")
+        prompt_images: list[Any] = []
+        prompt = _conversation(row, fmt, final="user", part_images=prompt_images)
         chosen = _answer(row, cols["chosen"], fmt)
         rejected = _answer(row, cols["rejected"], fmt)
-        return PreferencePair(prompt, chosen, rejected, origin, tools=tools)
+        _check_text_answers(chosen, rejected, cols)
+        images = _row_images(row, cols.get("images", "images"), prompt_images, prompt, origin)
+        return PreferencePair(prompt, chosen, rejected, origin, tools=tools, images=images)
     part_images: list[Any] = []
     messages = _conversation(row, fmt, final="assistant", part_images=part_images)
-    if fmt.task == "kto":
-        return LabeledConversation(messages, _label(row, cols["kto_tag"]), origin)
     images = _row_images(row, cols.get("images", "images"), part_images, messages, origin)
+    if fmt.task == "kto":
+        return LabeledConversation(messages, _label(row, cols["kto_tag"]), origin, images=images)
     return Conversation(messages, origin, tools=tools, images=images)
+
+
+def _check_text_answers(chosen: Message, rejected: Message, cols: Mapping[str, str]) -> None:
+    """A preference pair's images belong to its prompt: both answers are compared on the same images."""
+    for column, answer in ((cols["chosen"], chosen), (cols["rejected"], rejected)):
+        if IMAGE_PLACEHOLDER in answer.content:
+            raise RowError(
+                IMAGE_COUNT,
+                f"{column!r} holds an {IMAGE_PLACEHOLDER} placeholder; a pair's images go in its prompt "
+                "(both answers are scored on the same images)",
+            )
 
 
 def _row_images(

@@ -36,11 +36,21 @@ class RunData:
     report: dict[str, Any]
     # A stream's report from its readers' states, rewritten while training (None: the report is final).
     stream_report: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None
+    # A vision-language model's processor, for the TRL trainers that batch image rows themselves
+    # (dpo); None for text rows, whose trainers take the tokenizer.
+    processor: Any = None
 
     @property
     def streaming(self) -> bool:
         """The training set is read as a stream: no length, a position instead."""
         return isinstance(self.train, torch.utils.data.IterableDataset)
+
+    @property
+    def image_processor(self) -> Any:
+        """What turns image files into the model's pixel inputs; None for text data."""
+        if self.processor is not None:
+            return self.processor.image_processor
+        return getattr(self.collator, "image_processor", None)  # VisionCollator's
 
     @property
     def conversational_rows(self) -> bool:
@@ -132,8 +142,10 @@ def _train_units(cfg: LmforgeConfig) -> str:
 def _preference_data(
     cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase, cache_dir: Path, paths: RunPaths
 ) -> RunData:
-    from lmforge.data.preference import prepare_preference_data
+    from lmforge.data.preference import prepare_preference_data, rendered_image_pairs
+    from lmforge.data.vision_tokens import ImageTokens, save_image_parts_template
 
+    processor = vision_processor(cfg, tokenizer)
     prepared = prepare_preference_data(
         cfg.data,
         tokenizer,
@@ -141,8 +153,16 @@ def _preference_data(
         seed=cfg.run.seed,
         cache_dir=cache_dir,
         quarantine_path=paths.root / "bad_rows.jsonl",
+        image_tokens=ImageTokens(processor) if processor is not None else None,
     )
-    return RunData(prepared.train, prepared.eval, None, prepared.fingerprint, prepared.report)  # type: ignore[arg-type]
+    train, evaluation = prepared.train, prepared.eval
+    if "images" not in train.column_names:
+        processor = None  # text pairs: TRL tokenizes them with the tokenizer, as for a text model
+    else:
+        train = rendered_image_pairs(train, tokenizer)
+        evaluation = rendered_image_pairs(evaluation, tokenizer) if evaluation is not None else None
+        save_image_parts_template(tokenizer, processor)
+    return RunData(train, evaluation, None, prepared.fingerprint, prepared.report, processor=processor)  # type: ignore[arg-type]
 
 
 def first_samples(data: RunData, count: int) -> list[tuple[list[int], list[int]]]:
@@ -277,7 +297,7 @@ def _sft_data(
     world_size: int = 1,
 ) -> RunData:
     from lmforge.data.sft import prepare_sft_data
-    from lmforge.data.vision_tokens import ImageTokens, VisionCollator
+    from lmforge.data.vision_tokens import ImageTokens, VisionCollator, save_image_parts_template
 
     if cfg.data.streaming:
         return _chat_stream(cfg, tokenizer, cache_dir, paths, rank, world_size)
@@ -295,6 +315,7 @@ def _sft_data(
     collator = sft_collator(cfg, tokenizer)
     if processor is not None:
         collator = VisionCollator(collator, processor)
+        save_image_parts_template(tokenizer, processor)
     return RunData(sft_dataset(cfg, sft.train), evaluation, collator, sft.fingerprint, sft.report)
 
 

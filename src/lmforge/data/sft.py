@@ -36,7 +36,7 @@ from lmforge.data.tokenizer import tokenizer_fingerprint
 if TYPE_CHECKING:
     from lmforge.data.vision_tokens import ImageTokens
 
-CODE_VERSION = "sft-v3"  # v3: samples carry their images; v2: truncated counts, bad_rows.jsonl kept
+CODE_VERSION = "sft-v4"  # v4: duplicates keyed with images too; v3: samples carry their images; v2: truncated counts, bad_rows.jsonl kept
 IGNORE_INDEX = -100
 
 
@@ -226,10 +226,16 @@ def _pad_fraction_padded(lengths: np.ndarray, batch: int = 8) -> float:
 
 
 def _hashes(samples: RaggedSamples) -> list[bytes]:
-    return [
-        hashlib.blake2b(samples.sample(i)["input_ids"].tobytes(), digest_size=16).digest()
-        for i in range(len(samples))
-    ]
+    """A content key per sample: its token ids and, for an image sample, its image files (the same
+    question about another picture is another sample; the same file under two paths is not seen)."""
+    keys = []
+    for i in range(len(samples)):
+        sample = samples.sample(i)
+        key = hashlib.blake2b(sample["input_ids"].tobytes(), digest_size=16)
+        for image in sample.get("images") or ():
+            key.update(b"\0" + str(image).encode())
+        keys.append(key.digest())
+    return keys
 
 
 def _duplicate_counts(train: RaggedSamples, evaluation: RaggedSamples | None) -> dict[str, int]:

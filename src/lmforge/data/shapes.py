@@ -102,3 +102,37 @@ def _question(shapes: list[tuple[str, str]], ask_colour: bool) -> tuple[str, str
         shape, colour = shapes[0]
         return f"what colour is the {shape}?", colour
     return "how many shapes are there?", COUNT_WORDS[len(shapes) - 1]
+
+
+def shapes_pairs(rows_file: Path, *, seed: int = 0) -> list[dict]:
+    """The task's rows as preference pairs (dpo), in LLaMA-Factory's sharegpt layout: the right
+    answer chosen, a wrong one of the same kind (another colour, another count) rejected, the
+    row's image in the prompt."""
+    rng = random.Random(seed)
+    pairs = []
+    for line in rows_file.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        question, answer = row["conversations"]
+        kind = COUNT_WORDS if answer["value"] in COUNT_WORDS else sorted(COLOURS)
+        wrong = rng.choice([word for word in kind if word != answer["value"]])
+        pairs.append(
+            {
+                "conversations": [question],
+                "chosen": answer,
+                "rejected": {"from": "gpt", "value": wrong},
+                "images": row["images"],
+            }
+        )
+    return pairs
+
+
+def write_shapes_pairs(task: ShapesTask, *, seed: int = 0) -> tuple[Path, Path]:
+    """pairs-train.jsonl / pairs-eval.jsonl beside the task's files (`shapes_pairs` of each split)."""
+    written = []
+    for split in (task.train, task.eval):
+        out = split.with_name(f"pairs-{split.name}")
+        out.write_text(
+            "".join(json.dumps(p) + "\n" for p in shapes_pairs(split, seed=seed)), encoding="utf-8"
+        )
+        written.append(out)
+    return written[0], written[1]

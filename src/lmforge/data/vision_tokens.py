@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lmforge.config.model_kind import SUPPORTED_VISION_TYPES, vision_model_type
+from lmforge.data.chat_templates import with_image_parts
 from lmforge.data.images import IMAGE_PLACEHOLDER
 from lmforge.errors import UserInputError
 
@@ -162,3 +163,13 @@ def _open_all(paths: Sequence[str]) -> list[Any]:
         with Image.open(path) as image:
             opened.append(image.convert("RGB"))
     return opened
+
+
+def save_image_parts_template(tokenizer: Any, processor: Any) -> None:
+    """A vision-language run's tokenizer and processor get the run's template made to take image
+    parts (`with_image_parts`), so the model it saves answers processor.apply_chat_template and
+    vLLM's multimodal chat, not only lmforge's own placeholder rows. Called once the data stage
+    adopted the template (the data was rendered with the plain one: the same text)."""
+    template = with_image_parts(str(tokenizer.chat_template))
+    tokenizer.chat_template = template
+    processor.chat_template = template

@@ -112,7 +112,8 @@ def _evaluate_run(request: EvalRequest, summary: dict[str, Any]) -> tuple[Path, 
             tokenizer,
             data.eval,
             request,
-            image_processor=getattr(data.collator, "image_processor", None),
+            image_processor=data.image_processor,
+            processor=data.processor,
         )
     if data.eval is None or len(data.eval) == 0:  # type: ignore[arg-type]
         note = "the config has no eval data (set data.eval or data.eval_fraction); no run perplexity"
@@ -172,7 +173,13 @@ def _quality(predictions: list[str], references: list[str], request: EvalRequest
 
 
 def _run_eval_generations(
-    model: Any, tokenizer: Any, dataset: Any, request: EvalRequest, *, image_processor: Any = None
+    model: Any,
+    tokenizer: Any,
+    dataset: Any,
+    request: EvalRequest,
+    *,
+    image_processor: Any = None,
+    processor: Any = None,
 ) -> dict[str, Any]:
     """Greedy completions of the run's eval prompts (`--limit` of them, else all) scored against
     the answers the rows carry: what the eval steps of training measured on a few of them (with
@@ -181,7 +188,9 @@ def _run_eval_generations(
     from lmforge.evaluate.samples import complete_prompts, sample_prompts
 
     count = request.limit if request.limit is not None else len(dataset)
-    prompts = sample_prompts(dataset, tokenizer, count, reference_tokens=request.max_new_tokens)
+    prompts = sample_prompts(
+        dataset, tokenizer, count, reference_tokens=request.max_new_tokens, processor=processor
+    )
     samples = complete_prompts(
         model,
         tokenizer,

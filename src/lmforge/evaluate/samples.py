@@ -116,17 +116,23 @@ class Prompt(NamedTuple):
 
 
 def sample_prompts(
-    dataset: Any, tokenizer: PreTrainedTokenizerBase, count: int, *, reference_tokens: int = MAX_NEW_TOKENS
+    dataset: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    count: int,
+    *,
+    reference_tokens: int = MAX_NEW_TOKENS,
+    processor: Any = None,
 ) -> list[Prompt]:
     """The prompts of the first `count` rows of a training or eval dataset of any stage: token rows
     (pretrain blocks, SFT samples or packed rows, with their images) or TRL's conversational rows
-    (dpo, kto). A pretraining block's reference is its next `reference_tokens` tokens (as many as
-    a completion may have, so that a perfect one matches it)."""
+    (dpo, kto; dpo rows with images come rendered, and the vision-language model's `processor`
+    places their image tokens). A pretraining block's reference is its next `reference_tokens`
+    tokens (as many as a completion may have, so that a perfect one matches it)."""
     prompts: list[Prompt] = []
     for index in range(len(dataset)):
         item = dataset[index]
         if "prompt" in item:
-            prompts.append(Prompt(*_conversation_prompt(item, tokenizer)))
+            prompts.append(_conversation_prompt(item, tokenizer, processor))
         else:
             prompts.extend(_token_prompts(item, tokenizer, reference_tokens))
         if len(prompts) >= count:
@@ -164,17 +170,33 @@ def _token_prompt(
     return ids[:cut], str(tokenizer.decode(reference, skip_special_tokens=True)) if reference else None
 
 
-def _conversation_prompt(
-    item: dict[str, Any], tokenizer: PreTrainedTokenizerBase
-) -> tuple[list[int], str | None]:
+def _conversation_prompt(item: dict[str, Any], tokenizer: PreTrainedTokenizerBase, processor: Any) -> Prompt:
     """A dpo / kto row: its prompt turns rendered with the generation prompt, the good answer as reference."""
     from lmforge.evaluate.generation import render_prompt
 
+    if isinstance(item["prompt"], str):
+        return _rendered_image_prompt(item, tokenizer, processor)
     text = render_prompt(tokenizer, item["prompt"])
     ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
     answer = item.get("chosen") if "chosen" in item else item.get("completion") if item.get("label") else None
     reference = str(answer[-1].get("content", "")) if isinstance(answer, list) and answer else None
-    return ids, reference
+    return Prompt(ids, reference)
+
+
+def _rendered_image_prompt(
+    item: dict[str, Any], tokenizer: PreTrainedTokenizerBase, processor: Any
+) -> Prompt:
+    """A dpo row with images, as the data stage hands it to TRL (data.preference.rendered_image_pairs):
+    the prompt already rendered, each `<image>` placeholder expanded by the model's processor."""
+    images = tuple(item.get("images") or ())
+    if processor is None:
+        ids = tokenizer(item["prompt"], add_special_tokens=False)["input_ids"]
+    else:
+        inputs = processor(
+            text=[item["prompt"]], images=[list(images)] if images else None, add_special_tokens=False
+        )
+        ids = inputs["input_ids"][0]
+    return Prompt([int(i) for i in ids], item.get("reference"), images)
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -61,9 +61,11 @@ class EvalGenerations(TrainerCallback):
         samples_path: Path,
         skip_reason: str | None = None,
         image_processor: Any = None,
+        processor: Any = None,
     ) -> None:
         self.settings = settings
         self.image_processor = image_processor  # a vision-language run's: its prompts carry images
+        self.processor = processor  # places a rendered dpo prompt's image tokens
         self.eval_data = eval_data
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -112,6 +114,7 @@ class EvalGenerations(TrainerCallback):
                 self.tokenizer,
                 self.settings.prompts,
                 reference_tokens=self.settings.max_new_tokens,
+                processor=self.processor,
             )
         model = extract_model_from_parallel(model)  # DDP / DeepSpeed's wrapper: generate on the module
         was_training = model.training
@@ -170,7 +173,8 @@ def eval_generations_callbacks(
         monitor=monitor,
         samples_path=paths.eval_samples,
         skip_reason=sharding_reason(plan),
-        image_processor=getattr(data.collator, "image_processor", None),  # VisionCollator's
+        image_processor=data.image_processor,
+        processor=data.processor,
     )
     return [callback]
 

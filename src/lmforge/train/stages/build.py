@@ -108,7 +108,7 @@ def build_stage_trainer(
         args=args,
         train_dataset=data.train,
         eval_dataset=evaluation,
-        processing_class=tokenizer,
+        processing_class=data.processor if data.processor is not None else tokenizer,
         callbacks=callbacks,
         **extra,
         **adapter,
