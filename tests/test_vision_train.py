@@ -245,13 +245,19 @@ def _summed_losses(model: object, batch: dict, lengths: list[int]) -> list[float
 @pytest.fixture(scope="module")
 def sft_run(vlm: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(config, run folder) of the shapes task's SFT run: 200 steps on 1,000 rows (30 s on 2
-    cores); its final/ is also the DPO test's starting model, as SFT then DPO is how people train."""
+    cores); its final/ is also the DPO test's starting model, as SFT then DPO is how people train.
+    The model is `model.preset: smolvlm-tiny`, built by the run around the task's tokenizer (the
+    other tests fine-tune the saved model folder, model.path: the same weights from the same seed)."""
     out = tmp_path_factory.mktemp("sft")
     data = {
         "train": [{"path": str(vlm / "task" / "train.jsonl")}],
         "eval": [{"path": str(vlm / "task" / "eval.jsonl")}],
     }
     config = _config(vlm, out, data)
+    settings = yaml.safe_load(config.read_text())
+    settings["model"] = {"preset": "smolvlm-tiny"}
+    settings["tokenizer"] = {"path": str(vlm / "model")}
+    config.write_text(yaml.safe_dump(settings))
     result = run_cli("train", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
     return config, out / "runs" / "vlm"
@@ -284,7 +290,8 @@ def test_a_tiny_vlm_learns_to_read_the_images_and_saves_a_loadable_model(
 
     # final/ loads as a vision-language model with its processor, and is the last checkpoint's model.
     final = run / "final"
-    assert (final / "processor_config.json").is_file()
+    assert (final / "processor_config.json").is_file()  # the preset's processor, saved by the run
+    assert (run / "checkpoints" / "step-200" / "processor_config.json").is_file()
     model = AutoModelForImageTextToText.from_pretrained(final).eval()
     processor = AutoProcessor.from_pretrained(final)
     rows = [json.loads(line) for line in (vlm / "task" / "eval.jsonl").read_text().splitlines()][:32]

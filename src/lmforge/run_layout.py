@@ -102,6 +102,12 @@ class RunPaths:
         return self.root / "tokenizer"
 
     @property
+    def processor(self) -> Path:
+        """A vision preset run's processor settings, saved at its start: what final/ and every
+        checkpoint copy beside the model (a model.path run copies them from that folder)."""
+        return self.root / "processor"
+
+    @property
     def final(self) -> Path:
         return self.root / "final"
 

@@ -36,8 +36,8 @@ class RunData:
     report: dict[str, Any]
     # A stream's report from its readers' states, rewritten while training (None: the report is final).
     stream_report: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None
-    # A vision-language model's processor, for the TRL trainers that batch image rows themselves
-    # (dpo); None for text rows, whose trainers take the tokenizer.
+    # A vision-language model's processor (None for text rows): the TRL trainers that batch image
+    # rows themselves (dpo) take it as processing_class; a vision preset run saves it.
     processor: Any = None
 
     @property
@@ -316,20 +316,18 @@ def _sft_data(
     if processor is not None:
         collator = VisionCollator(collator, processor)
         save_image_parts_template(tokenizer, processor)
-    return RunData(sft_dataset(cfg, sft.train), evaluation, collator, sft.fingerprint, sft.report)
+    return RunData(
+        sft_dataset(cfg, sft.train), evaluation, collator, sft.fingerprint, sft.report, processor=processor
+    )
 
 
 def vision_processor(cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase) -> Any:
     """The processor of a vision-language model.path around the run's tokenizer; None for a text model."""
-    from lmforge.config.model_kind import VISION_PRESET_NAMES, vision_model_type
+    from lmforge.config.model_kind import VISION_PRESET_NAMES, preset_processor, vision_model_type
     from lmforge.data.vision_tokens import load_processor
 
     if cfg.model.preset in VISION_PRESET_NAMES:
-        raise UserInputError(
-            f"model.preset: {cfg.model.preset} is a vision-language preset, which `lmforge estimate` sizes "
-            "but a run does not build yet. Fix: set model.path to a saved vision-language model folder "
-            "(its weights, tokenizer and processor)"
-        )
+        return preset_processor(cfg.model.preset, tokenizer)
     if vision_model_type(cfg.model.path) is None:
         return None
     assert cfg.model.path is not None

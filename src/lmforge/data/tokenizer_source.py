@@ -14,6 +14,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from lmforge.config import LmforgeConfig
+from lmforge.config.model_kind import VISION_PRESET_NAMES, add_image_tokens
 from lmforge.config.schema import SourceConfig
 from lmforge.data.sources import iter_documents, sources_fingerprint
 from lmforge.data.tokenizer import ensure_pad_token, load_tokenizer, train_tokenizer
@@ -28,13 +29,22 @@ def obtain_tokenizer(cfg: LmforgeConfig, paths: RunPaths, cache_dir: Path) -> Pr
         return load_tokenizer(str(paths.tokenizer), trust_remote_code=False)
     if cfg.tokenizer.train is not None:
         tokenizer = _trained_tokenizer(cfg, cache_dir)
+        _with_preset_image_tokens(cfg, tokenizer)
         tokenizer.save_pretrained(str(paths.tokenizer))
         return tokenizer
     path = cfg.tokenizer.path or cfg.model.path
     assert path is not None  # LmforgeConfig guarantees one source
     tokenizer = load_tokenizer(path, trust_remote_code=cfg.model.trust_remote_code)
     ensure_pad_token(tokenizer)  # every collator pads; checked here, before data or model work
+    _with_preset_image_tokens(cfg, tokenizer)
     return tokenizer
+
+
+def _with_preset_image_tokens(cfg: LmforgeConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+    """A vision preset's image tokens join the tokenizer before any data is rendered with it (the
+    model built later sizes its embeddings to the tokenizer)."""
+    if cfg.model.preset in VISION_PRESET_NAMES:
+        add_image_tokens(tokenizer)
 
 
 def _trained_tokenizer(cfg: LmforgeConfig, cache_dir: Path) -> PreTrainedTokenizerBase:

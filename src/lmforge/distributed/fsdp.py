@@ -19,12 +19,13 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lmforge.config.model_kind import processor_files
+from lmforge.config.model_kind import processor_files, saved_processor_files
 from lmforge.distributed.expert_parallel import shard_experts_over_data
 from lmforge.distributed.layout import Layout
 from lmforge.distributed.parallel_state import DimensionHooks, ParallelState
 from lmforge.distributed.plan_terms import MemorySplit
 from lmforge.distributed.tensor_parallel import shard_data_over_mesh
+from lmforge.run_layout import RunPaths
 
 if TYPE_CHECKING:
     # Annotations only (the imports a run needs are in its functions): `plan_layout` and the
@@ -252,7 +253,12 @@ def _copy_processor_files(trainer: Any, checkpoint: Path) -> None:
     `lmforge ckpt consolidate` of a sharded checkpoint, or AutoProcessor on a checkpoint, found
     no image processor."""
     model = trainer.accelerator.unwrap_model(trainer.model)
-    for source in processor_files(getattr(model, "name_or_path", None) or None):
+    sources = processor_files(getattr(model, "name_or_path", None) or None)
+    # A vision preset's model has no folder: its run saved the processor (RunPaths.processor);
+    # output_dir is checkpoints/.staging.
+    run = RunPaths(Path(trainer.args.output_dir).parent.parent)
+    sources = sources or saved_processor_files(run.processor)
+    for source in sources:
         shutil.copy2(source, checkpoint / source.name)
 
 

@@ -22,7 +22,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from lmforge.config.model_kind import vision_model_type
+from lmforge.config.model_kind import VISION_PRESET_NAMES, vision_model_type
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import UserInputError
 from lmforge.models.methods import Head
@@ -50,7 +50,9 @@ def build_model(
     auto = AutoModelForSequenceClassification if head == "score" else AutoModelForCausalLM
     if vision_model_type(cfg.path) is not None:
         auto = _vision_auto_class(head)
-    if cfg.path:
+    if cfg.preset in VISION_PRESET_NAMES:
+        model = _vision_preset_model(cfg, tokenizer, head)
+    elif cfg.path:
         model = _load_pretrained(cfg, auto, quantization)
         if quantization is None:
             _fit_vocab(model, tokenizer)
@@ -59,6 +61,23 @@ def build_model(
     if head == "score":
         model.config.pad_token_id = tokenizer.pad_token_id  # the head reads the last non-pad token
     _check_positions(model, max_length)
+    return model
+
+
+def _vision_preset_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, head: Head) -> PreTrainedModel:
+    """A vision preset built fresh around the run's tokenizer (its image tokens already added by
+    the data stage); model.config does not reshape it."""
+    from lmforge.models.vision import build_vision_model
+
+    _vision_auto_class(head)  # refuses the sequence-scoring head
+    if cfg.config:
+        raise UserInputError(
+            f"model.config: a vision preset ({cfg.preset}) is built as it is defined; its fields are not "
+            "overridden. Fix: remove model.config, or save a model of your own shapes and set model.path"
+        )
+    model, _ = build_vision_model(
+        str(cfg.preset), tokenizer, dtype=DTYPES[cfg.dtype], attn_implementation=cfg.attn_implementation
+    )
     return model
 
 
@@ -81,6 +100,10 @@ def architecture_config(cfg: ModelConfig) -> PretrainedConfig:
             )
         except OSError as err:
             raise UserInputError(f"model.path: cannot read the config of {cfg.path!r}: {err}") from None
+    if cfg.preset in VISION_PRESET_NAMES:
+        from lmforge.models.vision import vision_preset_config
+
+        return vision_preset_config(cfg.preset)
     kwargs = architecture_kwargs(cfg)
     model_type = kwargs.pop("model_type")
     return config_for_model(model_type, kwargs)

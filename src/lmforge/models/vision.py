@@ -12,57 +12,22 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from lmforge.config.model_kind import IMAGE_TOKENS, VISION_PRESETS, add_image_tokens, preset_processor
 from lmforge.errors import UserInputError
 
-# The tokens Idefics3's processor expands each `<image>` placeholder into, and its end of turn.
-IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>")
-
-VISION_PRESETS: dict[str, dict[str, Any]] = {
-    # About 0.5M parameters: 32x32 images in 8x8 patches (16), pixel-shuffled by 2 into 4 image
-    # tokens; a 2-layer vision tower of width 64 and a 2-layer Llama of width 128.
-    "smolvlm-tiny": {
-        "image_size": 32,
-        "image_seq_len": 4,
-        "vision_config": {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "image_size": 32,
-            "patch_size": 8,
-        },
-        "scale_factor": 2,
-        "text_config": {
-            "model_type": "llama",
-            "hidden_size": 128,
-            "intermediate_size": 344,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 512,
-            "tie_word_embeddings": False,
-        },
-    },
-}
+__all__ = ["IMAGE_TOKENS", "VISION_PRESETS", "add_image_tokens", "build_vision_model"]
 
 
-def add_image_tokens(tokenizer: PreTrainedTokenizerBase) -> None:
-    """Register Idefics3's image tokens as special tokens of `tokenizer` (in place; idempotent)."""
-    missing = [token for token in IMAGE_TOKENS if token not in tokenizer.get_vocab()]
-    if missing:
-        tokenizer.add_special_tokens({"additional_special_tokens": missing})  # type: ignore[dict-item]
-
-
-def build_vision_model(preset: str, tokenizer: PreTrainedTokenizerBase) -> tuple[Any, Any]:
+def build_vision_model(
+    preset: str,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    dtype: Any = None,
+    attn_implementation: str | None = None,
+) -> tuple[Any, Any]:
     """(model, processor) of a vision preset, randomly initialised, for `tokenizer` (its image
     tokens added). The processor's chat template is the tokenizer's."""
-    from transformers import (
-        Idefics3Config,
-        Idefics3ForConditionalGeneration,
-        Idefics3ImageProcessor,
-        Idefics3Processor,
-        LlamaConfig,
-    )
+    from transformers import AutoModelForImageTextToText, Idefics3Config, LlamaConfig
 
     if preset not in VISION_PRESETS:
         raise UserInputError(
@@ -88,16 +53,11 @@ def build_vision_model(preset: str, tokenizer: PreTrainedTokenizerBase) -> tuple
         image_token_id=image_token_id,
         tie_word_embeddings=False,
     )
-    model = Idefics3ForConditionalGeneration(config)
-    edge = {"longest_edge": spec["image_size"]}
-    image_processor = Idefics3ImageProcessor(do_image_splitting=False, size=edge, max_image_size=edge)
-    processor = Idefics3Processor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        image_seq_len=spec["image_seq_len"],
-        chat_template=getattr(tokenizer, "chat_template", None),
-    )
-    return model, processor
+    extra: dict[str, Any] = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if dtype is not None:
+        extra["dtype"] = dtype
+    model = AutoModelForImageTextToText.from_config(config, **extra)
+    return model, preset_processor(preset, tokenizer)
 
 
 def save_vision_model_dir(out: Any, model: Any, processor: Any) -> None:

@@ -12,7 +12,7 @@ import copy
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
 from lmforge.ckpt.atomic import CheckpointStatus, find_latest_complete
 from lmforge.ckpt.safe_load import no_code_from_checkpoints
 from lmforge.config import LmforgeConfig, dump_config
-from lmforge.config.model_kind import processor_files
+from lmforge.config.model_kind import VISION_PRESET_NAMES, processor_files, saved_processor_files
 from lmforge.config.schema import MonitorConfig
 from lmforge.config.stages import stage_spec
 from lmforge.distributed.parallel import parallelize
@@ -63,6 +63,9 @@ from lmforge.train.step import OutOfMemoryGivenUp, TrainStep
 from lmforge.train.teacher import check_teacher_vocabulary
 from lmforge.upstream import quiet_progress_bars, route_deepspeed_logs
 from lmforge.verbosity import FILE_ONLY, is_verbose
+
+if TYPE_CHECKING:
+    from lmforge.data.run_data import RunData
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +124,13 @@ def _run_locked(
     # train.log starts once the run directory is settled (a fresh start may have moved an old one).
     with run_log(paths, is_main=plan.world.is_main):
         return _train_run(cfg, plan, paths, setup, extra_callbacks, after_run)
+
+
+def _save_run_processor(data: RunData, paths: RunPaths) -> None:
+    """A vision preset run's processor (built by the data stage around the run's tokenizer) saved in
+    the run, for final/ and the checkpoints to carry beside the model (RunPaths.processor)."""
+    if data.processor is not None:
+        data.processor.save_pretrained(str(paths.processor))
 
 
 def images_per_token(report: dict[str, Any]) -> float:
@@ -223,6 +233,8 @@ def _train_run(
         rewards = RewardSet(list(trainer.reward_funcs), trainer.reward_weights.tolist())  # type: ignore[attr-defined]
         warn_before_updates(cfg, trainer.model, tokenizer, rewards, data.train, trainer)
     rank0 = trainer.is_world_process_zero()
+    if rank0 and cfg.model.preset in VISION_PRESET_NAMES:
+        _save_run_processor(data, paths)
     changed = [*setup.changes.maths, *setup.changes.harmless]
     if rank0 and changed:  # also in history/: the settings each launch ran with
         events.emit(
@@ -347,7 +359,7 @@ def _train_and_export(
         paths,
         merge_lora=cfg.export.merge_lora,
         finished=finished,
-        extra_files=processor_files(cfg.model.path),
+        extra_files=processor_files(cfg.model.path) or saved_processor_files(paths.processor),
     )
     if trainer.is_world_process_zero():
         clear_partial_writes(paths)  # a finished run keeps no empty checkpoints/.staging

@@ -108,7 +108,10 @@ def build_stage_trainer(
         args=args,
         train_dataset=data.train,
         eval_dataset=evaluation,
-        processing_class=data.processor if data.processor is not None else tokenizer,
+        # dpo's image pairs are batched by TRL with the processor; every other TRL stage gets text.
+        processing_class=data.processor
+        if data.processor is not None and spec.offline_preference
+        else tokenizer,
         callbacks=callbacks,
         **extra,
         **adapter,
