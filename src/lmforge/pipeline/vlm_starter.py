@@ -40,7 +40,7 @@ def write_shapes_starter(out: Any, *, train_rows: int = 1000, eval_rows: int = 6
 if __name__ == "__main__":
     import sys
 
-    if len(sys.argv) != 2:
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):  # --help / -h: the usage, not a folder
         sys.exit(
             "usage: python -m lmforge.pipeline.vlm_starter OUT_DIR  (writes OUT_DIR/task and OUT_DIR/model)"
         )
