@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -18,6 +19,7 @@ from PIL import Image
 
 from lmforge.errors import UserInputError
 from lmforge.export.convert import convert
+from lmforge.export.vision_formats import check_vision_exports
 from lmforge.models.vision import save_vision_model_dir
 from lmforge.pipeline.vlm_starter import write_shapes_starter
 
@@ -80,7 +82,6 @@ def test_a_safetensors_export_loads_as_a_vlm_and_is_verified_on_its_images(vlm: 
 @pytest.mark.parametrize(
     ("fmt", "reason", "fix"),
     [
-        ("gguf", "vision projector (mmproj-*.gguf)", "convert_hf_to_gguf.py"),
         ("onnx", "the vision tower and the merge of image features", "--to safetensors"),
         ("compressed-tensors", "does not place the vision tower", "--to safetensors"),
         ("tensorrt-llm", "for text models", "--to safetensors"),
@@ -97,12 +98,134 @@ def test_formats_that_cannot_hold_the_vision_tower_are_refused_before_any_work(
     assert not out.exists() and not out.with_name(out.name + ".partial").exists()
 
 
-def test_gguf_of_a_vlm_exits_2_with_the_llama_cpp_commands(vlm: Path, tmp_path: Path) -> None:
+def test_gguf_of_a_vlm_whose_processor_keeps_images_whole_exits_2_with_the_reason(
+    vlm: Path, tmp_path: Path
+) -> None:
+    # llama.cpp cuts every Idefics3 image into tiles plus an overview; the tiny preset keeps each whole.
     result = run_cli("ckpt", "convert", str(vlm / "model"), "--to", "gguf", "--out", str(tmp_path / "gguf"))
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     text = " ".join(result.stderr.split())
-    assert "--mmproj --outfile mmproj-model.gguf" in text and "llama-mtmd-cli" in text, text
+    assert "always cuts an Idefics3 image into tiles plus an overview" in text, text
+    assert "do_image_splitting False" in text and "export safetensors" in text, text
+    assert not list((tmp_path / "gguf").glob("*.gguf")) if (tmp_path / "gguf").exists() else True
+    with pytest.raises(UserInputError, match="always cuts an Idefics3 image"):
+        check_vision_exports(None, "smolvlm-tiny", ["safetensors", "gguf"])  # a preset run, before training
+
+
+def tiled_vlm(vlm: Path, out: Path) -> Path:
+    """An untrained tiny SmolVLM-architecture model whose processor tiles images as SmolVLM's does
+    (64 px longest edge: 2 x 2 tiles of 32 px plus the overview), with the frame tokens llama.cpp
+    looks up; random weights are enough to compare two runtimes."""
+    from transformers import AddedToken, AutoTokenizer, Idefics3ImageProcessor
+
+    from lmforge.models.vision import build_vision_model
+
+    tokenizer = AutoTokenizer.from_pretrained(vlm / "model")
+    tokenizer.add_tokens([AddedToken("\n\n", normalized=False, special=False)])
+    tokenizer.add_tokens([f"<row_{r}_col_{c}>" for r in (1, 2) for c in (1, 2)], special_tokens=True)
+    torch.manual_seed(0)
+    model, processor = build_vision_model("smolvlm-tiny", tokenizer)
+    processor.image_processor = Idefics3ImageProcessor(
+        do_image_splitting=True, size={"longest_edge": 64}, max_image_size={"longest_edge": 32}
+    )
+    save_vision_model_dir(out, model, processor)
+    return out
+
+
+def test_gguf_of_a_tiling_vlm_is_a_text_model_and_a_projector_llama_cpp_reads(
+    vlm: Path, tmp_path: Path
+) -> None:
+    """The pair's layout, read back: every vision tensor under llama.cpp's clip name with the source's
+    values, the idefics3 projector keys libmtmd needs, and the text model a llama GGUF that runs (in
+    transformers' GGUF reader here, llama.cpp in the integration tier) as the VLM's text model."""
+    import gguf
+    from safetensors.torch import load_file
+
+    source = tiled_vlm(vlm, tmp_path / "tiled")
+    out = tmp_path / "gguf"
+    result = run_cli("ckpt", "convert", str(source), "--to", "gguf", "--dtype", "f32", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir() if p.suffix == ".gguf") == [
+        "mmproj-f32.gguf",
+        "model-f32.gguf",
+    ]
+    assert "llama-mtmd-cli -m model-f32.gguf --mmproj mmproj-f32.gguf" in " ".join(result.stdout.split())
+
+    reader = gguf.GGUFReader(out / "mmproj-f32.gguf")
+    keys = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    assert keys["general.architecture"] == "clip" and keys["general.type"] == "mmproj"
+    assert keys["clip.projector_type"] == "idefics3" and keys["clip.vision.projector.scale_factor"] == 2
+    assert (keys["clip.vision.image_size"], keys["clip.vision.patch_size"]) == (32, 8)
+    assert keys["clip.vision.preproc_image_size"] == 64 and keys["clip.vision.projection_dim"] == 128
+    assert keys["clip.vision.block_count"] == 2 and keys["clip.vision.image_mean"] == [0.5, 0.5, 0.5]
+    weights = load_file(source / "model.safetensors")
+    by_gguf_name = {
+        "mm.model.fc.weight": "model.connector.modality_projection.proj.weight",
+        "v.patch_embd.weight": "model.vision_model.embeddings.patch_embedding.weight",
+        "v.position_embd.weight": "model.vision_model.embeddings.position_embedding.weight",
+        "v.blk.1.attn_q.weight": "model.vision_model.encoder.layers.1.self_attn.q_proj.weight",
+        "v.blk.0.ffn_up.weight": "model.vision_model.encoder.layers.0.mlp.fc1.weight",
+        "v.blk.0.ffn_down.bias": "model.vision_model.encoder.layers.0.mlp.fc2.bias",
+        "v.post_ln.weight": "model.vision_model.post_layernorm.weight",
+    }
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    vision_tensors = [
+        name for name in weights if name.startswith(("model.vision_model.", "model.connector."))
+    ]
+    assert len(tensors) == len(vision_tensors) == 38
+    for name, hf_name in by_gguf_name.items():
+        assert np.array_equal(
+            np.asarray(tensors[name].data).reshape(weights[hf_name].shape), weights[hf_name].numpy()
+        )
+
+    text = gguf.GGUFReader(out / "model-f32.gguf")
+    assert not any(t.name.startswith(("v.", "mm.")) for t in text.tensors) and len(text.tensors) == 21
+    # In transformers' GGUF reader (verify's runtime without llama-cpp-python) the text model runs
+    # alone: compared on text, and the verdict says the images were not checked.
+    verified = run_cli(
+        "ckpt", "verify", str(out), "--against", str(source), "--data", str(vlm / "task" / "eval.jsonl"),
+        "--runtime", "transformers", "--max-rows", "2", "--prompts", "1", "--new-tokens", "4",
+    )  # fmt: skip
+    assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-3000:]
+    assert "images: NOT checked" in verified.stdout and "takes token ids only" in verified.stdout, (
+        verified.stdout
+    )
+
+
+@pytest.mark.integration
+def test_the_gguf_pair_runs_in_llama_cpp_on_the_images_and_a_changed_tower_fails(
+    vlm: Path, tmp_path: Path
+) -> None:
+    """llama.cpp (llama-cpp-python's libmtmd) reads each image of the eval rows with its own
+    preprocessing and the pair's projector: the same prompt layout as the model's processor, logits
+    within the f32 pair's limits, the same greedy answers; a pair whose tower was scaled fails."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from lmforge.export.verify import verify
+
+    source = tiled_vlm(vlm, tmp_path / "tiled")
+    convert(source, "gguf", tmp_path / "gguf", dtype="f32")
+    eval_rows = vlm / "task" / "eval.jsonl"
+    verdict = verify(tmp_path / "gguf", data=eval_rows, max_rows=4, prompts=2, new_tokens=6).to_json()
+    assert verdict["runtime"] == "llama.cpp (libmtmd)", verdict
+    assert verdict["passed"], verdict["failures"]
+    assert verdict["images"] == {"checked": True, "rows": 4, "rows_with_images": 4, "images": 4}
+    assert verdict["parity"]["top1_agreement"] == 1.0 and verdict["parity"]["greedy_identical"] == 1.0
+    print("gguf pair in llama.cpp: logits rel diff", verdict["parity"]["logits_rel_diff"])
+
+    changed = tmp_path / "changed"
+    model = AutoModelForImageTextToText.from_pretrained(source)
+    with torch.no_grad():
+        model.model.vision_model.embeddings.patch_embedding.weight.mul_(1.5)
+    save_vision_model_dir(changed, model, AutoProcessor.from_pretrained(source))
+    convert(changed, "gguf", tmp_path / "changed-gguf", dtype="f32")
+    failed = verify(
+        tmp_path / "changed-gguf", against=source, data=eval_rows, max_rows=4, prompts=1, new_tokens=4
+    )
+    assert not failed.passed and any("logits max diff" in failure for failure in failed.failures), (
+        failed.failures
+    )
 
 
 def _run_config(vlm: Path, out: Path, **export: object) -> Path:

@@ -40,7 +40,9 @@ def command(
 ) -> None:
     """Convert a model to safetensors, GGUF (with a Modelfile for Ollama), ONNX, or a compressed-tensors
     FP8 / int8 / int4 checkpoint for vLLM. A vision-language model (SmolVLM / Idefics3) exports as
-    safetensors; the other formats cannot hold its vision tower here and are refused with the fix.
+    safetensors, or as GGUF (the text model + its vision projector, mmproj) when its processor tiles
+    images as llama.cpp does; the other formats cannot hold its vision tower here and are refused
+    with the fix.
 
     Example: `lmforge ckpt convert runs/sft/final --to gguf --dtype q8_0 --out export/gguf`
     """
@@ -58,3 +60,5 @@ def command(
     console.print(f"[bold green]converted[/] {path} -> {result.format} in {result.out}")
     for file in result.files:
         console.print(f"  {file}", markup=False)
+    if "runs_with" in result.details:
+        console.print(f"run with: {result.details['runs_with']}", markup=False)

@@ -80,6 +80,13 @@ def saved_processor_files(folder: str | Path) -> list[Path]:
     return [Path(folder) / name for name in PROCESSOR_FILES if (Path(folder) / name).is_file()]
 
 
+def preset_image_settings(preset: str) -> dict[str, Any]:
+    """The image processor settings of vision preset `preset`: each image whole, one tile of the
+    preset's size."""
+    edge = {"longest_edge": VISION_PRESETS[preset]["image_size"]}
+    return {"do_image_splitting": False, "size": edge, "max_image_size": edge}
+
+
 def preset_processor(preset: str, tokenizer: Any) -> Any:
     """The Idefics3 processor of vision preset `preset` around `tokenizer` (its image tokens added):
     one unsplit image of the preset's size a placeholder, `image_seq_len` image tokens. The data
@@ -88,8 +95,7 @@ def preset_processor(preset: str, tokenizer: Any) -> Any:
 
     spec = VISION_PRESETS[preset]
     add_image_tokens(tokenizer)
-    edge = {"longest_edge": spec["image_size"]}
-    image_processor = Idefics3ImageProcessor(do_image_splitting=False, size=edge, max_image_size=edge)
+    image_processor = Idefics3ImageProcessor(**preset_image_settings(preset))
     return Idefics3Processor(
         image_processor=image_processor,
         tokenizer=tokenizer,

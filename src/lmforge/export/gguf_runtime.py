@@ -13,7 +13,9 @@ so the two can be compared token for token with each other and with the source m
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import contextlib
+import ctypes
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +85,10 @@ class LlamaCppModel:
         self._check_length(len(prompt_ids) + max_new_tokens)
         self.llm.reset()
         self.llm.eval(list(prompt_ids))
+        return self._greedy_continuation(max_new_tokens, stop_ids)
+
+    def _greedy_continuation(self, max_new_tokens: int, stop_ids: Collection[int]) -> list[int]:
+        """Argmax tokens after what the context holds, up to max_new_tokens or a stop id."""
         new: list[int] = []
         while len(new) < max_new_tokens:
             token = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
@@ -145,3 +151,188 @@ def greedy_decode(
             break
         inputs = torch.tensor([[token]])
     return new
+
+
+class LlamaCppVisionModel(LlamaCppModel):
+    """A vision-language GGUF pair in llama.cpp: the text model and its vision projector (mmproj),
+    run by llama.cpp's multimodal library (libmtmd) as `llama-mtmd-cli` and `llama-server` run it.
+
+    It takes the reference's token ids with the image files: each image's run of tokens (the
+    processor's tiles, overview and frame tokens) must be what libmtmd lays out for that image,
+    its own preprocessing of the same file, or the two models would not read the same prompt; the
+    text around it is fed as the same ids. Positions that hold image embeddings have no logits in
+    llama.cpp: they come back as NaN rows, and verification compares the text positions."""
+
+    takes_images = True
+    # llama.cpp's image path is not transformers' to the last bit: on an f32 pair of the tiny test
+    # model, each image's features differed from transformers' by 2-3e-4 of their range (tiles that
+    # need no resize too, flash attention on or off), the logits after an image by up to 1.7e-4 of
+    # theirs, while text before any image agreed to 4e-7 and every mmproj tensor equals the
+    # source's. So on rows with images the f32 logit limit (1e-4) is widened to this.
+    image_logit_diff_floor = 1e-3
+
+    def __init__(self, path: Path, mmproj: Path, *, n_ctx: int = 2048) -> None:
+        super().__init__(path, n_ctx=n_ctx)
+        from llama_cpp import mtmd_cpp
+        from llama_cpp._logger import llama_log_callback
+
+        self._mtmd_cpp = mtmd_cpp
+        # libmtmd logs each image it encodes; through llama-cpp-python's logger (errors only when
+        # not verbose) as llama.cpp's own messages go.
+        mtmd_cpp.mtmd_log_set(llama_log_callback, ctypes.c_void_p(0))
+        mtmd_cpp.mtmd_helper_log_set(llama_log_callback, ctypes.c_void_p(0))
+        params = mtmd_cpp.mtmd_context_params_default()
+        params.use_gpu = False
+        params.print_timings = False
+        params.n_threads = self.llm.n_threads
+        self.mtmd = mtmd_cpp.mtmd_init_from_file(str(_check_file(mmproj)).encode(), self.llm.model, params)
+        if not self.mtmd:
+            raise UserInputError(f"{mmproj}: llama.cpp's multimodal library could not load this projector")
+        self.image_token_id = self._single_token("<image>")
+
+    def _single_token(self, text: str) -> int:
+        ids = self.llm.tokenize(text.encode(), add_bos=False, special=True)
+        if len(ids) != 1:
+            raise UserInputError(
+                f"{self.path}: the tokenizer has no single {text!r} token; not a VLM's text model"
+            )
+        return int(ids[0])
+
+    def close(self) -> None:
+        if getattr(self, "mtmd", None):
+            self._mtmd_cpp.mtmd_free(self.mtmd)
+            self.mtmd = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # at interpreter exit the bindings may be gone first
+            self.close()
+
+    def logits(self, token_ids: list[int], images: Sequence[str] = ()) -> np.ndarray:  # type: ignore[override]
+        """Logits [len(token_ids), vocab]; NaN rows where image embeddings sit."""
+        self._check_length(len(token_ids))
+        rows = np.full((len(token_ids), self.vocab_size), np.nan, dtype=np.float32)
+        with self._prompt(token_ids, images) as steps:
+            self.llm.reset()
+            for text, chunk in steps:
+                if chunk is None:
+                    start = self.llm.n_tokens
+                    self.llm.eval(text)
+                    rows[start : self.llm.n_tokens] = self.llm.scores[start : self.llm.n_tokens]
+                else:
+                    self._eval_image(chunk)
+        return rows
+
+    def greedy(  # type: ignore[override]
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        images: Sequence[str] = (),
+        *,
+        stop_ids: Collection[int] = (),
+    ) -> list[int]:
+        self._check_length(len(prompt_ids) + max_new_tokens)
+        ends_with_text = False
+        with self._prompt(prompt_ids, images) as steps:
+            self.llm.reset()
+            for text, chunk in steps:
+                if chunk is None:
+                    self.llm.eval(text)
+                else:
+                    self._eval_image(chunk)
+                ends_with_text = chunk is None
+        if not ends_with_text:  # llama.cpp computes no logits at an image's embeddings
+            raise UserInputError("a prompt ending in an image: verification prompts end with text")
+        return self._greedy_continuation(max_new_tokens, stop_ids)
+
+    def _eval_image(self, chunk: Any) -> None:
+        import llama_cpp
+
+        new_n_past = llama_cpp.llama_pos(0)
+        status = self._mtmd_cpp.mtmd_helper_eval_chunk_single(
+            self.mtmd,
+            self.llm._ctx.ctx,
+            chunk,
+            llama_cpp.llama_pos(self.llm.n_tokens),
+            llama_cpp.llama_seq_id(0),
+            self.llm.n_batch,
+            False,
+            ctypes.byref(new_n_past),
+        )
+        if status != 0:
+            raise RuntimeError(f"llama.cpp could not encode an image (status {status})")
+        self.llm.n_tokens = int(new_n_past.value)
+
+    @contextlib.contextmanager
+    def _prompt(self, token_ids: list[int], images: Sequence[str]) -> Iterator[list[tuple[list[int], Any]]]:
+        """The sequence as steps for llama.cpp, each (text ids, None) or ([], image chunk): each image's
+        run of tokens in `token_ids` replaced by libmtmd's chunks for that image file, in order."""
+        owned: list[Any] = []
+        try:
+            steps: list[tuple[list[int], Any]] = []
+            rest = list(token_ids)
+            for image in images:
+                layout, chunks = self._image_layout(image, owned)
+                at = _find(rest, layout)
+                if at is None:
+                    raise UserInputError(
+                        f"{image}: llama.cpp lays this image out as {len(layout)} tokens "
+                        f"({self._describe(layout)}) and the model's processor laid it out differently; the "
+                        "GGUF pair would read another prompt than the model. Fix: export safetensors"
+                    )
+                if at:
+                    steps.append((rest[:at], None))
+                steps.extend(chunks)
+                rest = rest[at + len(layout) :]
+            if rest:
+                steps.append((rest, None))
+            yield steps
+        finally:
+            for chunks in owned:
+                self._mtmd_cpp.mtmd_input_chunks_free(chunks)
+
+    def _image_layout(self, image: str, owned: list[Any]) -> tuple[list[int], list[tuple[list[int], Any]]]:
+        """libmtmd's token layout of one image file (frame tokens as ids, each image embedding as the
+        `<image>` id) and its steps."""
+        mtmd_cpp = self._mtmd_cpp
+        bitmap = mtmd_cpp.mtmd_helper_bitmap_init_from_file(self.mtmd, str(image).encode(), False)
+        if not bitmap:
+            raise UserInputError(f"{image}: llama.cpp could not read this image")
+        try:
+            text = mtmd_cpp.mtmd_input_text()
+            marker = mtmd_cpp.mtmd_default_marker()
+            text.text, text.text_len = marker, len(marker)
+            text.add_special, text.parse_special = False, True
+            chunks = mtmd_cpp.mtmd_input_chunks_init()
+            owned.append(chunks)
+            bitmaps = (mtmd_cpp.mtmd_bitmap_p_ctypes * 1)(bitmap)
+            status = mtmd_cpp.mtmd_tokenize(self.mtmd, chunks, ctypes.byref(text), bitmaps, 1)
+        finally:
+            mtmd_cpp.mtmd_bitmap_free(bitmap)
+        if status != 0:
+            raise RuntimeError(f"{image}: llama.cpp could not tokenize this image (status {status})")
+        layout: list[int] = []
+        steps: list[tuple[list[int], Any]] = []
+        for i in range(mtmd_cpp.mtmd_input_chunks_size(chunks)):
+            chunk = mtmd_cpp.mtmd_input_chunks_get(chunks, i)
+            if mtmd_cpp.mtmd_input_chunk_get_type(chunk) == mtmd_cpp.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                count = ctypes.c_size_t()
+                pointer = mtmd_cpp.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
+                ids = [int(pointer[j]) for j in range(count.value)]
+                layout += ids
+                steps.append((ids, None))
+            else:
+                layout += [self.image_token_id] * int(mtmd_cpp.mtmd_input_chunk_get_n_tokens(chunk))
+                steps.append(([], chunk))
+        return layout, steps
+
+    def _describe(self, layout: list[int]) -> str:
+        images = sum(1 for token in layout if token == self.image_token_id)
+        return f"{images} image embeddings and {len(layout) - images} frame tokens"
+
+
+def _find(sequence: list[int], part: list[int]) -> int | None:
+    """Where `part` first occurs in `sequence`, or None."""
+    for start in range(len(sequence) - len(part) + 1):
+        if sequence[start : start + len(part)] == part:
+            return start
+    return None

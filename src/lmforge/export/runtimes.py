@@ -197,7 +197,10 @@ def gguf_file(path: Path) -> Path | None:
     if path.is_file() and path.suffix == ".gguf":
         return path
     if path.is_dir():
-        found = sorted(path.glob("*.gguf"))
+        from lmforge.export.gguf_vision import is_mmproj
+
+        # A vision-language GGUF is a pair: the text model is the file named; its projector goes with it.
+        found = [file for file in sorted(path.glob("*.gguf")) if not is_mmproj(file)]
         if len(found) > 1:
             raise UserInputError(f"{path}: {len(found)} GGUF files; name the one to verify")
         return found[0] if found else None
@@ -210,9 +213,21 @@ def _open_gguf(path: Path, runtime: str) -> Artifact:
     _require(
         runtime, ("auto", "llama.cpp", "transformers"), path, "a GGUF file runs in llama.cpp or transformers"
     )
+    from lmforge.export.gguf_vision import is_mmproj, mmproj_file
+
+    if is_mmproj(path):
+        raise UserInputError(
+            f"{path}: a vision projector (mmproj); verify the text model GGUF beside it, which runs with it"
+        )
     precision = gguf_precision(path)
+    mmproj = mmproj_file(path)
     has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
     if runtime == "llama.cpp" or (runtime == "auto" and has_llama_cpp):
+        if mmproj is not None:
+            model: CausalRuntime = gguf_runtime.LlamaCppVisionModel(path, mmproj)
+            return Artifact(
+                path, "gguf", "llama.cpp (libmtmd)", coarsest(precision, gguf_precision(mmproj)), model
+            )
         return Artifact(path, "gguf", "llama.cpp", precision, gguf_runtime.LlamaCppModel(path))
     if _has_experts(path):
         raise UserInputError(

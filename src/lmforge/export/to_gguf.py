@@ -47,6 +47,14 @@ from lmforge.export.gguf_quantize import (
     require_quantizer,
 )
 from lmforge.export.gguf_tokenizer import add_tokenizer, load_tokenizer
+from lmforge.export.gguf_vision import (
+    VISION_GGUF_TYPES,
+    is_vision_gguf_source,
+    llama_cpp_refusal,
+    text_model_config,
+    text_tensor_name,
+    write_mmproj,
+)
 from lmforge.export.safetensors_stream import INDEX_NAME, Entry, SafetensorsReader
 
 # --dtype -> (type of 2-D weights, general.file_type)
@@ -97,23 +105,29 @@ def convert_to_gguf(source: Path, out: Path, *, dtype: str, imatrix_data: Path |
     elif requantized:
         require_quantizer(dtype)
     written = "f16" if requantized else dtype
-    config = _read_config(source)
+    source_config = _read_config(source)
+    vision = is_vision_gguf_source(source_config)
+    config = text_model_config(source_config) if vision else source_config
     calibration = _calibration_texts(source, imatrix_data) if imatrix_data is not None else None
     family = FAMILIES[config["model_type"]]
     shards = _weight_files(source)
-    tokenizer = load_tokenizer(source, config)
+    tokenizer = load_tokenizer(source, source_config)
+    if vision:
+        refusal = llama_cpp_refusal(source, source_config, tokenizer)
+        if refusal is not None:
+            raise UserInputError(f"--to gguf: {source} is a vision-language model, and {refusal}")
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"model-{dtype}.gguf"
     plain = out / f"model-{written}.gguf"  # the file lmforge writes (requantized: llama.cpp's input)
     partial = plain.with_name(plain.name + ".partial")
-    plan = _plan_tensors(shards, config, family, GGUF_DTYPES[written][0])
+    plan = _plan_tensors(shards, config, family, GGUF_DTYPES[written][0], text_only=vision)
     _require_space(out, sum(t.nbytes for t in plan) * (2 if requantized else 1))
     writer = gguf.GGUFWriter(partial, gguf.MODEL_ARCH_NAMES[family.arch])
     details: dict[str, Any] = {
         "architecture": writer.arch,
         "dtype": dtype,
-        "source_model_type": config["model_type"],
+        "source_model_type": source_config["model_type"],
     }
     _add_hyperparameters(writer, config, source, written)
     rope_freqs = _add_rope_scaling(writer, config)
@@ -124,15 +138,7 @@ def convert_to_gguf(source: Path, out: Path, *, dtype: str, imatrix_data: Path |
     if rope_freqs is not None:
         name = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight"
         plan.append(PlannedTensor(name, QType.F32, computed=rope_freqs))
-    try:
-        with one_thread():
-            _write_streaming(writer, plan)
-    except BaseException:
-        writer.close()
-        partial.unlink(missing_ok=True)
-        raise
-    writer.close()
-    os.replace(partial, plain)
+    write_complete(writer, plan, partial, plain)
     if calibration is not None:
         details |= quantize_with_imatrix(plain, path, dtype, *calibration, tools)
         details |= {
@@ -145,12 +151,19 @@ def convert_to_gguf(source: Path, out: Path, *, dtype: str, imatrix_data: Path |
         plain.unlink()
         details["quantizer"] = "llama.cpp llama_model_quantize (llama-cpp-python)"
 
-    modelfile = out / "Modelfile"
-    modelfile.write_text(modelfile_text)
     counts: dict[str, int] = {}
     for tensor in gguf.GGUFReader(path).tensors:
         counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
     details |= {"tensors": len(plan), "tensor_types": counts, "bytes": path.stat().st_size}
+    if vision:  # Ollama's Modelfile has no place for llama.cpp's idefics3 projector: name the commands
+        mmproj, mm_details = write_mmproj(source, shards, source_config, out, written)
+        details |= mm_details | {
+            "runs_with": f"llama-mtmd-cli -m {path.name} --mmproj {mmproj.name} --image IMAGE -p PROMPT; "
+            f"llama-server -m {path.name} --mmproj {mmproj.name}"
+        }
+        return Conversion(format="gguf", out=out, files=[path, mmproj], details=details)
+    modelfile = out / "Modelfile"
+    modelfile.write_text(modelfile_text)
     window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
     if window and window < config["max_position_embeddings"]:
         details["note"] = (
@@ -170,7 +183,21 @@ def _require_space(out: Path, needed: int) -> None:
         )
 
 
-def _write_streaming(writer: gguf.GGUFWriter, plan: list[PlannedTensor]) -> None:
+def write_complete(writer: gguf.GGUFWriter, plan: list[PlannedTensor], partial: Path, final: Path) -> None:
+    """Write `plan` through `writer` (opened on `partial`), then move the file to `final`: a file
+    under the final name is always whole, and a failure leaves no partial one."""
+    try:
+        with one_thread():
+            write_streaming(writer, plan)
+    except BaseException:
+        writer.close()
+        partial.unlink(missing_ok=True)
+        raise
+    writer.close()
+    os.replace(partial, final)
+
+
+def write_streaming(writer: gguf.GGUFWriter, plan: list[PlannedTensor]) -> None:
     """Header, metadata and tensor index first (sizes are known from the safetensors headers),
     then each tensor's data, a block of rows at a time: read, convert, append, drop.
 
@@ -229,6 +256,13 @@ def _read_config(source: Path) -> dict[str, Any]:
         )
     config = json.loads(config_path.read_text())
     model_type = config.get("model_type")
+    if is_vision_gguf_source(config):
+        if model_type not in VISION_GGUF_TYPES or text_model_config(config)["model_type"] not in FAMILIES:
+            raise UserInputError(
+                f"{config_path}: a vision-language model of type {model_type!r}; GGUF export here writes "
+                f"{', '.join(VISION_GGUF_TYPES)} models (SmolVLM's architecture) with a llama text model"
+            )
+        return config
     if model_type not in FAMILIES:
         raise UserInputError(
             f"{config_path}: model_type {model_type!r} has no GGUF export here; supported: {supported}."
@@ -356,8 +390,10 @@ def _llama3_rope_factors(params: dict[str, Any], head_dim: int) -> np.ndarray:
 
 
 def _plan_tensors(
-    shards: list[Path], config: dict[str, Any], family: Family, weight_type: QType
+    shards: list[Path], config: dict[str, Any], family: Family, weight_type: QType, *, text_only: bool = False
 ) -> list[PlannedTensor]:
+    """Every tensor of the model under its llama.cpp name; `text_only`: a vision-language model's
+    text model alone (its tensors named as a plain causal LM's, the vision side left out)."""
     names = gguf.get_tensor_name_map(family.arch, config["num_hidden_layers"])
     tied = bool(config.get("tie_word_embeddings", False))
     heads = config["num_attention_heads"]
@@ -368,16 +404,19 @@ def _plan_tensors(
         with SafetensorsReader(shard) as reader:
             entries = reader.entries
         for entry in entries:
-            if entry.name.endswith(_SKIP_SUFFIXES) or (tied and entry.name == "lm_head.weight"):
+            checkpoint_name = text_tensor_name(entry.name) if text_only else entry.name
+            if checkpoint_name is None:
                 continue
-            expert = _EXPERT.match(entry.name)
+            if checkpoint_name.endswith(_SKIP_SUFFIXES) or (tied and checkpoint_name == "lm_head.weight"):
+                continue
+            expert = _EXPERT.match(checkpoint_name)
             if expert is not None:
                 merged = f"{expert['prefix']}.{expert['proj']}.weight"
                 if merged not in experts:
                     plan.append(PlannedTensor(merged, QType.F32))  # its place; filled in below
                 experts.setdefault(merged, []).append((int(expert["index"]), shard, entry))
                 continue
-            name = _gguf_name(names, entry.name, shard, family, config)
+            name = _gguf_name(names, checkpoint_name, shard, family, config)
             permute = 0
             if family.permute_qk and ".attn_q." in name:
                 permute = heads

@@ -1,15 +1,14 @@
 """Which export formats a vision-language model (Idefics3: SmolVLM's architecture) can take.
 
-Safetensors only, for now: the folder is the model as transformers, vLLM and llama.cpp's own
-converter read it, and `ckpt verify` checks it on the images. Every other format is refused
-before any work, with the reason and what to do instead (each converter below reads a causal LM
-and would otherwise fail midway on a traceback, or write a model without its eyes):
-
-- GGUF: llama.cpp runs an Idefics3 model as two files, the text model (a llama GGUF) and the
-  vision tower with its projector (`mmproj-*.gguf`, projector type idefics3) that its multimodal
-  library, libmtmd, loads. lmforge writes text GGUFs only; llama-cpp-python 0.3.36 binds libmtmd
-  (`llama_cpp.mtmd_cpp`), so a projector written here could be checked on images there, but that
-  writer and check are not built yet.
+- safetensors: the folder is the model as transformers, vLLM and llama.cpp's own converter read
+  it, and `ckpt verify` checks it on the images.
+- GGUF: two files, the text model and the vision projector (`mmproj-*.gguf`) that llama.cpp's
+  multimodal library loads (gguf_vision.py), when llama.cpp reads the model's images as its own
+  processor does (SmolVLM's tiling); the converter checks that before any work, and the run's
+  preflight before training.
+Every other format is refused before any work, with the reason and what to do instead (each
+converter below reads a causal LM and would otherwise fail midway on a traceback, or write a model
+without its eyes):
 - ONNX: lmforge's graph is a text decoder (input_ids, attention_mask -> logits); the vision tower
   and the merge of image features into the text are not in it.
 - compressed-tensors, TensorRT-LLM: their writers load and quantize a causal LM; neither places
@@ -18,20 +17,16 @@ and would otherwise fail midway on a traceback, or write a model without its eye
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from lmforge.config.model_kind import vision_model_type
 from lmforge.errors import UserInputError
 
-VISION_FORMATS = ("safetensors",)
+VISION_FORMATS = ("safetensors", "gguf")
 
 _SAFETENSORS = "`lmforge ckpt convert {source} --to safetensors --out DIR`"
 _WHY = {
-    "gguf": (
-        "llama.cpp runs a vision-language model as two files: the text model GGUF and a vision projector "
-        "(mmproj-*.gguf) that its multimodal library loads, and lmforge writes the text model only (a "
-        "projector writer checked in llama.cpp on images is not built yet)"
-    ),
     "onnx": (
         "lmforge's ONNX graph is a text decoder (input_ids, attention_mask -> logits): the vision tower and "
         "the merge of image features into the text are not exported, so the graph could not see an image"
@@ -45,13 +40,6 @@ _WHY = {
     ),
 }
 _FIX = {
-    "gguf": (
-        "export safetensors ({safetensors}), or make both files with llama.cpp's own converter from this "
-        "folder (an adapter merged first with `lmforge ckpt merge-lora`), in a llama.cpp checkout: "
-        "`python convert_hf_to_gguf.py {source} --outfile model.gguf` and "
-        "`python convert_hf_to_gguf.py {source} --mmproj --outfile mmproj-model.gguf`, then run "
-        "`llama-mtmd-cli -m model.gguf --mmproj mmproj-model.gguf --image IMAGE -p PROMPT`"
-    ),
     "onnx": "export safetensors ({safetensors}) and serve that folder (transformers or vLLM)",
     "compressed-tensors": (
         "export safetensors ({safetensors}); vLLM serves that folder, and can quantize it on load "
@@ -84,13 +72,36 @@ def refuse_vision_export(source: Path, to: str) -> None:
         raise UserInputError(reason)
 
 
-def check_vision_exports(model_path: str | None, formats: list[str]) -> None:
+def check_vision_exports(model_path: str | None, preset: str | None, formats: list[str]) -> None:
     """UserInputError, before a run trains, when `export.formats` names a format its vision-language
-    model (`model.path`) cannot be exported as: every such format at once."""
-    model_type = vision_model_type(model_path)
+    model (`model.path`, or a vision `model.preset`) cannot be exported as: every such format at once."""
+    from lmforge.config.model_kind import VISION_PRESETS
+
+    model_type = "idefics3" if preset in VISION_PRESETS else vision_model_type(model_path)
     if model_type is None:
         return
-    reasons = [vision_export_refusal(model_type, fmt, "runs/<name>/final") for fmt in formats]
+    source = "runs/<name>/final"
+    reasons = [vision_export_refusal(model_type, fmt, source) for fmt in formats]
+    if "gguf" in formats:
+        reasons.append(_gguf_refusal(model_path, preset, source))
     refused = [reason for reason in reasons if reason is not None]
     if refused:
         raise UserInputError("\n".join(f"export.formats: {reason}" for reason in refused))
+
+
+def _gguf_refusal(model_path: str | None, preset: str | None, source: str) -> str | None:
+    """Why the run's VLM cannot be a GGUF pair llama.cpp reads as the model does (None: it can)."""
+    from lmforge.config.model_kind import VISION_PRESETS, preset_image_settings
+    from lmforge.export.gguf_vision import llama_cpp_refusal, tiling_refusal
+
+    if preset in VISION_PRESETS:
+        assert preset is not None
+        reason = tiling_refusal(preset_image_settings(preset), int(VISION_PRESETS[preset]["image_size"]))
+    else:
+        from transformers import AutoTokenizer
+
+        assert model_path is not None
+        config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        reason = llama_cpp_refusal(Path(model_path), config, tokenizer)
+    return None if reason is None else f"--to gguf: {source} is a vision-language model, and {reason}"

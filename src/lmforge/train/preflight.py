@@ -74,7 +74,9 @@ def check_machine_requirements(cfg: LmforgeConfig) -> None:
             raise UserInputError("\n".join(f"{key}: {message}" for key, message in missing))
     if stage_spec(cfg.train.stage).teacher:
         teacher_directory(cfg.train.distill)  # a teacher directory that is not there
-    check_vision_exports(cfg.model.path, list(cfg.export.formats))  # a format without the vision tower
+    check_vision_exports(
+        cfg.model.path, cfg.model.preset, list(cfg.export.formats)
+    )  # a format without the vision tower
     if "gguf" in cfg.export.formats:
         check_gguf_export_runs_here(cfg)
     if "compressed-tensors" in cfg.export.formats:
