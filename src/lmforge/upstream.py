@@ -313,6 +313,23 @@ REGISTRY: tuple[Coupling, ...] = (
              "own addition to num_input_tokens_seen is undone)",
              ("self", "generation_batch")),
     *(
+        Coupling(f"llama_cpp.mtmd_cpp:mtmd_context_params.{name}", "attribute", "export/gguf_runtime.py",
+                 "a VLM GGUF pair's projector loads in libmtmd on the CPU, without timing prints, with the Llama's "
+                 "thread count (what llama-cpp-python's multimodal chat handlers set)", extra="gguf")
+        for name in ("use_gpu", "print_timings", "n_threads")
+    ),
+    Coupling("llama_cpp.llama:Llama._ctx", "private_attribute", "export/gguf_runtime.py",
+             "libmtmd decodes an image's embeddings into the Llama's own llama_context, as llama-cpp-python's "
+             "multimodal chat handlers pass it, and its KV cache is cleared before each sequence",
+             set_in="llama_cpp.llama:Llama.__init__", extra="gguf"),
+    Coupling("llama_cpp.llama:Llama.n_tokens", "attribute", "export/gguf_runtime.py",
+             "after libmtmd decoded an image at the context's end the Llama's position moves past it (as the chat "
+             "handlers do), so the text after the image is evaluated at the next positions",
+             set_in="llama_cpp.llama:Llama.__init__", extra="gguf"),
+    Coupling("llama_cpp._logger:llama_log_callback", "private_call", "export/gguf_runtime.py",
+             "libmtmd's log goes through llama-cpp-python's own callback (errors only unless verbose), so each "
+             "encoded image does not print to the console", extra="gguf"),
+    *(
         Coupling(f"llama_cpp.llama_cpp:llama_model_quantize_params.{name}", "attribute", "export/gguf_quantize.py",
                  "GGUF k-quants: the quantizer's parameters, from llama.cpp's defaults with the file type chosen "
                  "(--dtype) and a thread per core", extra="gguf")

@@ -3,14 +3,17 @@
 `PlannedTensor` says where a tensor's data comes from and how it is stored; `encode_blocks`
 reads the HF tensor a block of rows at a time and turns it into those bytes: the RoPE row
 permutation llama.cpp expects for Llama/Mistral q_proj/k_proj, then f32, f16, bf16 or ggml's
-Q8_0 (`quantize_q8_0`).
-Used by `lmforge.export.to_gguf`.
+Q8_0 (`quantize_q8_0`); `write_complete` streams a planned file out that way.
+Used by `lmforge.export.to_gguf` and `lmforge.export.gguf_vision`.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterator
+import os
+import sys
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +21,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from lmforge.export.safetensors_stream import DTYPES, Entry, SafetensorsReader
 
@@ -144,3 +148,53 @@ def quantize_q8_0(rows: torch.Tensor, out: np.ndarray | None = None) -> np.ndarr
         packed = torch.cat([scale.to(torch.float16).view(torch.uint8), values.view(torch.uint8)], dim=1)
         out[start : start + _Q8_ROWS_PER_CHUNK] = packed.reshape(-1, out.shape[1]).numpy()
     return out
+
+
+def write_complete(writer: gguf.GGUFWriter, plan: list[PlannedTensor], partial: Path, final: Path) -> None:
+    """Write `plan` through `writer` (opened on `partial`), then move the file to `final`: a file
+    under the final name is always whole, and a failure leaves no partial one."""
+    try:
+        with one_thread():
+            write_streaming(writer, plan)
+    except BaseException:
+        writer.close()
+        partial.unlink(missing_ok=True)
+        raise
+    writer.close()
+    os.replace(partial, final)
+
+
+def write_streaming(writer: gguf.GGUFWriter, plan: list[PlannedTensor]) -> None:
+    """Header, metadata and tensor index first (sizes are known from the safetensors headers),
+    then each tensor's data, a block of rows at a time: read, convert, append, drop.
+
+    The data goes to the file here, laid out as GGUFWriter.write_tensor_data lays it (each tensor
+    padded to the file's alignment): that method takes whole tensors, so the largest converted
+    tensor (the embedding: 250 MiB in f16 for a 7B Llama) would sit in memory at once."""
+    for tensor in plan:
+        writer.add_tensor_info(
+            tensor.name, tensor.shape, np.dtype(np.float32), tensor.nbytes, raw_dtype=tensor.qtype
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    assert writer.fout is not None and len(writer.fout) == 1  # one file: no split was asked for
+    out = writer.fout[0]
+    byteswap = writer.endianess != (gguf.GGUFEndian.BIG if sys.byteorder == "big" else gguf.GGUFEndian.LITTLE)
+    readers: dict[Path, SafetensorsReader] = {}
+    try:
+        for tensor in tqdm(plan, desc="write gguf", unit="tensor"):
+            writer.write_padding(out, out.tell())
+            if tensor.computed is not None:
+                blocks: Iterable[np.ndarray] = [tensor.computed]
+            else:
+                blocks = itertools.chain.from_iterable(
+                    encode_blocks(readers.setdefault(source, SafetensorsReader(source)), part)
+                    for source, part in tensor.pieces()
+                )
+            for block in blocks:
+                out.write((block.byteswap() if byteswap else block).data)
+            writer.write_padding(out, tensor.nbytes)
+    finally:
+        for reader in readers.values():
+            reader.close()

@@ -26,7 +26,7 @@ from typing import Any
 
 import gguf
 
-from lmforge.export.gguf_encoding import PlannedTensor, QType, storage_type
+from lmforge.export.gguf_encoding import PlannedTensor, QType, storage_type, write_complete
 from lmforge.export.safetensors_stream import SafetensorsReader
 
 # model_type of the vision-language models llama.cpp's idefics3 projector runs.
@@ -134,8 +134,6 @@ def write_mmproj(
     """Write the vision tower and projector of the VLM at `source` as llama.cpp's mmproj GGUF in
     `out`: f32 when the text model is f32, else f16 (llama.cpp's converter's default; quantizing the
     tower costs more accuracy than it saves), embeddings kept in f32 as llama.cpp keeps them."""
-    from lmforge.export.to_gguf import write_complete
-
     weight_type = QType.F32 if dtype == "f32" else QType.F16
     mm_dtype = "f32" if dtype == "f32" else "f16"
     vision = config["vision_config"]

@@ -19,25 +19,20 @@ each tensor's bytes by gguf_encoding.py.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
-import os
 import re
 import shutil
-import sys
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
-from tqdm.auto import tqdm
 
 from lmforge.errors import UserInputError
 from lmforge.export.conversion import Conversion
-from lmforge.export.gguf_encoding import PlannedTensor, QType, encode_blocks, one_thread, storage_type
+from lmforge.export.gguf_encoding import PlannedTensor, QType, storage_type, write_complete
 from lmforge.export.gguf_modelfile import render_modelfile
 from lmforge.export.gguf_quantize import (
     QUANT_TYPES,
@@ -181,56 +176,6 @@ def _require_space(out: Path, needed: int) -> None:
             f"{out}: the GGUF needs about {needed / 2**20:,.0f} MiB and the disk has {free / 2**20:,.0f} MiB "
             "free; free space there or pass another --out"
         )
-
-
-def write_complete(writer: gguf.GGUFWriter, plan: list[PlannedTensor], partial: Path, final: Path) -> None:
-    """Write `plan` through `writer` (opened on `partial`), then move the file to `final`: a file
-    under the final name is always whole, and a failure leaves no partial one."""
-    try:
-        with one_thread():
-            write_streaming(writer, plan)
-    except BaseException:
-        writer.close()
-        partial.unlink(missing_ok=True)
-        raise
-    writer.close()
-    os.replace(partial, final)
-
-
-def write_streaming(writer: gguf.GGUFWriter, plan: list[PlannedTensor]) -> None:
-    """Header, metadata and tensor index first (sizes are known from the safetensors headers),
-    then each tensor's data, a block of rows at a time: read, convert, append, drop.
-
-    The data goes to the file here, laid out as GGUFWriter.write_tensor_data lays it (each tensor
-    padded to the file's alignment): that method takes whole tensors, so the largest converted
-    tensor (the embedding: 250 MiB in f16 for a 7B Llama) would sit in memory at once."""
-    for tensor in plan:
-        writer.add_tensor_info(
-            tensor.name, tensor.shape, np.dtype(np.float32), tensor.nbytes, raw_dtype=tensor.qtype
-        )
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    assert writer.fout is not None and len(writer.fout) == 1  # one file: no split was asked for
-    out = writer.fout[0]
-    byteswap = writer.endianess != (gguf.GGUFEndian.BIG if sys.byteorder == "big" else gguf.GGUFEndian.LITTLE)
-    readers: dict[Path, SafetensorsReader] = {}
-    try:
-        for tensor in tqdm(plan, desc="write gguf", unit="tensor"):
-            writer.write_padding(out, out.tell())
-            if tensor.computed is not None:
-                blocks: Iterable[np.ndarray] = [tensor.computed]
-            else:
-                blocks = itertools.chain.from_iterable(
-                    encode_blocks(readers.setdefault(source, SafetensorsReader(source)), part)
-                    for source, part in tensor.pieces()
-                )
-            for block in blocks:
-                out.write((block.byteswap() if byteswap else block).data)
-            writer.write_padding(out, tensor.nbytes)
-    finally:
-        for reader in readers.values():
-            reader.close()
 
 
 def _calibration_texts(source: Path, data: Path) -> tuple[list[str], int]:
