@@ -1,5 +1,5 @@
 """A vision-language model (tiny Idefics3, SmolVLM's architecture) trained on 2 gloo processes under
-DDP, FSDP2 and DeepSpeed ZeRO-3, with its vision tower frozen (train.vision's default), against one
+DDP, FSDP2 and DeepSpeed ZeRO-3 (and a tiny LLaVA under FSDP2), with its vision tower frozen (train.vision's default), against one
 process on the same global batch: the loss curves agree, the tower stays as it was, every checkpoint
 carries the processor, and `lmforge ckpt consolidate` of a sharded checkpoint gives a folder that
 AutoModelForImageTextToText and AutoProcessor load with the logits of the run's final/.
@@ -74,6 +74,14 @@ def _config(vlm: Path, out: Path, name: str, distributed: dict[str, object], mic
     return path
 
 
+def _llava(config: Path, vlm: Path) -> Path:
+    settings = yaml.safe_load(config.read_text())
+    settings["model"] = {"preset": "llava-tiny"}
+    settings["tokenizer"] = {"path": str(vlm / "model")}
+    config.write_text(yaml.safe_dump(settings))
+    return config
+
+
 @pytest.fixture(scope="module")
 def runs(vlm: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str]]:
     """Each run's directory and console: one process (4 rows a step), and 2 ranks x 2 rows per engine."""
@@ -85,6 +93,19 @@ def runs(vlm: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple
         config = _config(vlm, out, name, distributed, 2)
         launch = ["launch", str(config), "--nproc-per-node", "2", "--master-port", str(free_port())]
         commands[name] = [*cli, *launch]
+    # The LLaVA family (model.preset: llava-tiny, built by each run from the seed) under FSDP2.
+    llava_single = _llava(_config(vlm, out, "llava-single", {"strategy": "none"}, 4), vlm)
+    llava_fsdp = _llava(_config(vlm, out, "llava-fsdp", {"strategy": "fsdp"}, 2), vlm)
+    commands["llava-single"] = [*cli, "train", str(llava_single)]
+    commands["llava-fsdp"] = [
+        *cli,
+        "launch",
+        str(llava_fsdp),
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+    ]
     started = {
         name: subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for name, command in commands.items()
@@ -118,6 +139,26 @@ def test_each_engine_trains_the_vlm_as_one_process_does_and_keeps_the_frozen_tow
         assert not torch.equal(final["lm_head.weight"], base["lm_head.weight"]), name
         # Every checkpoint carries the processor, whatever wrote it.
         assert (run_dir / "checkpoints" / f"step-{STEPS}" / "processor_config.json").is_file(), name
+
+
+def test_fsdp2_trains_a_llava_model_as_one_process_does_with_its_tower_frozen(
+    runs: dict[str, tuple[Path, str]],
+) -> None:
+    single, fsdp = losses(runs["llava-single"][0]), losses(runs["llava-fsdp"][0])
+    assert sorted(fsdp) == sorted(single) == list(range(1, STEPS + 1))
+    assert max(abs(fsdp[s] - single[s]) for s in fsdp) < TOLERANCE, (fsdp, single)
+    shares = held_shares(runs["llava-fsdp"][1])
+    assert sorted(shares) == [0, 1] and all(abs(v - 0.5) < 0.01 for v in shares.values()), shares
+    # The two final/ folders may name the weights differently (transformers' LLaVA checkpoint names, or
+    # its module names): compared as the loaded models' towers.
+    from transformers import AutoModelForImageTextToText
+
+    one, two = (
+        AutoModelForImageTextToText.from_pretrained(runs[name][0] / "final").model.vision_tower.state_dict()
+        for name in ("llava-single", "llava-fsdp")
+    )
+    assert "trainable: vision tower 0 of 80,640" in runs["llava-fsdp"][1]  # train.vision's default
+    assert one and all(torch.equal(one[k], two[k]) for k in one)  # both still the seed's init
 
 
 def _batch(vlm: Path, processor: object) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ from lmforge.models.vision import (
     image_tokens_per_image,
     vision_activation_bytes,
     vision_flops_per_image,
+    vision_parameter_markers,
     vision_parts,
     vision_preset_config,
 )
@@ -70,13 +71,64 @@ def test_parameter_counts_from_the_config_are_the_built_models(tiny_vlm: Any) ->
 
 
 def test_other_families_are_refused_by_name() -> None:
-    from transformers import LlavaConfig
+    from transformers import Qwen2VLConfig
 
     for call in (vision_parts, image_tokens_per_image):
-        with pytest.raises(UserInputError, match="not model_type 'llava'"):
-            call(LlavaConfig())
+        with pytest.raises(UserInputError, match="not model_type 'qwen2_vl'"):
+            call(Qwen2VLConfig())
     with pytest.raises(UserInputError, match="not a multiple of the patch size 8"):
         image_tokens_per_image(vision_preset_config("smolvlm-tiny"), 36)
+
+
+def test_llava_counts_are_the_built_models_and_its_flops_what_the_counter_measures() -> None:
+    """llava-tiny (a CLIP tower read at its second-to-last layer, a 2-layer MLP projector): the
+    parts' parameters are the built model's; the FLOPs, with the 1-D parameters' 2 per position
+    taken out as for Idefics3, are what torch's counter measures, forward and with the tower
+    trained (where no gradient reaches the last layer or the final LayerNorm: their output is not
+    read); the activation formula is within 1% of what autograd saves."""
+    texts = [f"what colour is the circle? {word} {n}" for word in ("red", "green", "blue") for n in range(50)]
+    tokenizer = train_tokenizer(texts, TokenizerTrainConfig(vocab_size=300, min_frequency=1))
+    torch.manual_seed(0)
+    model, processor = build_vision_model("llava-tiny", tokenizer)
+    config, tower = model.config, model.model.vision_tower
+    parts = vision_parts(config)
+    assert parts == {
+        "vision_tower": _numel(tower),
+        "projector": _numel(model.model.multi_modal_projector),
+        "text": _numel(model.model.language_model) + _numel(model.lm_head),
+    }
+    assert sum(parts.values()) == _numel(model)
+    assert vision_parts(vision_preset_config("llava-tiny", config.text_config.vocab_size)) == parts
+    assert image_tokens_per_image(config) == 16 and processor.num_additional_image_tokens == 1
+    assert vision_parameter_markers(config) == (".vision_tower.", ".multi_modal_projector.")
+
+    def counted(*, backward: bool) -> int:
+        with FlopCounterMode(display=False) as counter:
+            features = model.model.get_image_features(torch.randn(1, 3, 32, 32))
+            features = features.pooler_output if hasattr(features, "pooler_output") else features
+            if backward:
+                torch.cat(list(features)).sum().backward()
+        model.zero_grad(set_to_none=True)
+        return int(counter.get_total_flops())
+
+    positions, layer = 17, tower.encoder.layers[0]  # 16 patches + the class token
+    one_d = lambda module: sum(p.numel() for p in module.parameters() if p.ndim == 1)  # noqa: E731
+    elementwise = one_d(tower) - tower.embeddings.class_embedding.numel()
+    reached = one_d(layer) + one_d(tower.pre_layrnorm)  # the 1-D parameters a gradient reaches
+    biases = 16 * one_d(model.model.multi_modal_projector)  # the projector's, per image token
+    model.set_attn_implementation("eager")
+    try:
+        forward = vision_flops_per_image(config, trainable_vision=False, trainable_projector=False)
+        assert forward - 2 * positions * elementwise - 2 * biases == counted(backward=False)
+        trained = vision_flops_per_image(config, trainable_vision=True)
+        not_seen = 2 * positions * elementwise + 4 * positions * reached + 6 * biases
+        assert trained - not_seen == counted(backward=True)
+    finally:
+        model.set_attn_implementation("sdpa")
+    measured = _saved_bytes(model, torch.randn(1, 3, 32, 32))
+    formula = vision_activation_bytes(config, weight_bytes=4, sdpa=True, checkpointing=False)
+    print("llava-tiny activations: formula", formula, "measured", measured)
+    assert abs(formula - measured) <= 0.01 * measured
 
 
 def _counted(model: Any, *, backward: bool) -> int:
@@ -120,11 +172,10 @@ def test_vision_flops_are_what_the_flop_counter_measures(tiny_vlm: Any) -> None:
             param.requires_grad_(True)
 
 
-def test_vision_activations_are_what_autograd_saves(tiny_vlm: Any) -> None:
-    """Bytes autograd keeps for backward over one image (sdpa, fp32; parameters not counted, a
-    storage once), against the formula: within 2%, the LayerNorm statistics, sdpa's log-sum-exp
-    and the position ids it leaves out (16 elements per patch of 1,872 measured)."""
-    weights = {p.data_ptr() for p in tiny_vlm.parameters()}
+def _saved_bytes(model: Any, pixels: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward over the image features of `pixels` (parameters not
+    counted, each storage once)."""
+    weights = {p.data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 
     def keep(saved: torch.Tensor) -> torch.Tensor:
@@ -133,8 +184,15 @@ def test_vision_activations_are_what_autograd_saves(tiny_vlm: Any) -> None:
         return saved
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda saved: saved):
-        tiny_vlm.model.get_image_features(torch.randn(1, 1, 3, 32, 32))
-    measured = sum(storages.values())
+        model.model.get_image_features(pixels)
+    return sum(storages.values())
+
+
+def test_vision_activations_are_what_autograd_saves(tiny_vlm: Any) -> None:
+    """Bytes autograd keeps for backward over one image (sdpa, fp32; parameters not counted, a
+    storage once), against the formula: within 2%, the LayerNorm statistics, sdpa's log-sum-exp
+    and the position ids it leaves out (16 elements per patch of 1,872 measured)."""
+    measured = _saved_bytes(tiny_vlm, torch.randn(1, 1, 3, 32, 32))
     formula = vision_activation_bytes(tiny_vlm.config, weight_bytes=4, sdpa=True, checkpointing=False)
     assert formula == PATCHES * (192 + 2 * 64 + 2 * (8 * 64 + 2 * 128)) * 4 == 118_784
     assert measured == 119_808 and abs(formula - measured) <= 0.02 * measured
@@ -210,6 +268,14 @@ def test_estimate_counts_the_vision_tower_and_the_image_tokens(tmp_path: Path) -
         ModelShape(**doc["model"]), batch=2, seq=64, weight_bytes=2, checkpointing=False, sdpa=True
     )
     assert doc["activations_no_checkpointing"] == text_only + 2 * bf16_image
+    # LLaVA: 16 image tokens an image and nothing around them; its tokenizer gains one token.
+    code, output = _estimate(tmp_path, "preset: llava-tiny", "--json")
+    assert code == 0, output
+    llava = json.loads(output)["vision"]
+    assert llava["model_type"] == "llava" and llava["image_tokens_per_image"] == 16
+    assert llava["sequence_tokens_per_image"] == 16
+    assert (llava["vision_tower_params"], llava["projector_params"]) == (80_640, 24_832)
+    assert llava["text_params"] == TEXT - 3 * 2 * 128  # 301 tokens, not 304: 3 fewer rows in 2 tables
 
 
 def test_estimate_refuses_a_sequence_without_room_for_the_image() -> None:

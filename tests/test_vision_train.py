@@ -34,10 +34,12 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _config(root: Path, out: Path, data: dict, **train: object) -> Path:
+def _config(root: Path, out: Path, data: dict, preset: str | None = None, **train: object) -> Path:
+    """A run of the starter's model folder, or of vision `preset` built around its tokenizer."""
     config = {
         "run": {"name": "vlm", "output_dir": str(out / "runs"), "seed": 0},
-        "model": {"path": str(root / "model")},
+        "model": {"preset": preset} if preset else {"path": str(root / "model")},
+        **({"tokenizer": {"path": str(root / "model")}} if preset else {}),
         "data": {"max_length": 64, **data},
         "train": {
             "stage": "sft",
@@ -150,12 +152,16 @@ def test_image_rows_in_three_shapes_are_checked_counted_and_shown(vlm: Path, tmp
     assert "<image>" in result.stdout and "<fake_token_around_image>" in result.stdout
 
 
-def _samples(vlm: Path, tmp_path: Path, rows: int) -> tuple[object, list[dict], object]:
-    """(processor, the first `rows` shapes samples as the data stage tokenizes them, tokenizer)."""
+def _samples(
+    vlm: Path, tmp_path: Path, rows: int, model: Path | None = None
+) -> tuple[object, list[dict], object]:
+    """(processor, the first `rows` shapes samples as the data stage tokenizes them, tokenizer), for
+    the model folder `model` (default: the starter's SmolVLM-architecture model)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(vlm / "model")
-    processor = load_processor(str(vlm / "model"), tokenizer)
+    model = model or vlm / "model"
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    processor = load_processor(str(model), tokenizer)
     data = DataConfig(
         train=[SourceConfig(path=str(vlm / "task" / "train.jsonl"), max_documents=rows)],
         eval_fraction=0,
@@ -200,7 +206,14 @@ def test_packed_image_samples_each_lose_what_they_lose_alone(vlm: Path, tmp_path
 
     processor, samples, tokenizer = _samples(vlm, tmp_path, rows=3)
     model = AutoModelForImageTextToText.from_pretrained(vlm / "model", attn_implementation="sdpa").eval()
-    pad = tokenizer.pad_token_id
+    pixels = _assert_packed_losses_are_alone_losses(model, processor, samples, tokenizer.pad_token_id)
+    assert pixels.shape[:2] == (1, 3)  # the row's three images, in order
+
+
+def _assert_packed_losses_are_alone_losses(
+    model: object, processor: object, samples: list[dict], pad: int
+) -> torch.Tensor:
+    """Each sample's summed loss in one packed row equals its loss alone; the packed pixel_values."""
     alone = []
     with torch.no_grad():
         for sample in samples:
@@ -213,11 +226,12 @@ def test_packed_image_samples_each_lose_what_they_lose_alone(vlm: Path, tmp_path
             "image_counts": [len(s["images"]) for s in samples],
         }
         batch = VisionCollator(PackedCollator(pad, attn_implementation="sdpa"), processor)([packed_row])
-        assert batch["pixel_values"].shape[:2] == (1, 3)  # the row's three images, in order
+        pixels = batch["pixel_values"]
         packed = _summed_losses(model, batch, [len(s["input_ids"]) for s in samples])
     # The packed collator drops each sample's first label (no target crosses a boundary); that
     # label is a prompt token here, so the sums compare as they are.
     torch.testing.assert_close(torch.tensor(packed), torch.tensor(alone), atol=1e-5, rtol=1e-5)
+    return pixels
 
 
 def _feature(sample: dict) -> dict:
@@ -253,11 +267,7 @@ def sft_run(vlm: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
         "train": [{"path": str(vlm / "task" / "train.jsonl")}],
         "eval": [{"path": str(vlm / "task" / "eval.jsonl")}],
     }
-    config = _config(vlm, out, data)
-    settings = yaml.safe_load(config.read_text())
-    settings["model"] = {"preset": "smolvlm-tiny"}
-    settings["tokenizer"] = {"path": str(vlm / "model")}
-    config.write_text(yaml.safe_dump(settings))
+    config = _config(vlm, out, data, preset="smolvlm-tiny")
     result = run_cli("train", str(config))
     assert result.returncode == 0, result.stderr[-3000:]
     return config, out / "runs" / "vlm"
@@ -320,6 +330,91 @@ def test_a_tiny_vlm_learns_to_read_the_images_and_saves_a_loadable_model(
     )
     assert replied.returncode == 0, replied.stderr[-2000:]
     assert replied.stdout.strip() == _greedy(model, processor, rows[0], images[0])
+
+
+def test_a_llava_model_learns_the_images_packed_and_its_samples_keep_apart(vlm: Path, tmp_path: Path) -> None:
+    """The second family: `model.preset: llava-tiny` (a CLIP tower read at its second-to-last layer,
+    an MLP projector, 16 `<image>` tokens an image) trains packed on the shapes task; held-out
+    answers come from the pixels (another row's image gets fewer right); final/ loads with its
+    LlavaProcessor; its image tokens carry no loss, token by token; packed samples lose what they
+    lose alone; its safetensors export is verified on the images, GGUF is refused with the reason;
+    DPO on image pairs from it lowers the DPO loss."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    data = {
+        "train": [{"path": str(vlm / "task" / "train.jsonl")}],
+        "eval": [{"path": str(vlm / "task" / "eval.jsonl")}],
+        "packing": True,
+    }
+    config = _config(vlm, tmp_path, data, preset="llava-tiny", max_steps=120, eval_every=120, save_every=120)
+    result = run_cli("train", str(config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trainable: vision tower 80,640 of 80,640; projector 24,832 of 24,832" in result.stderr
+    final = tmp_path / "runs" / "vlm" / "final"
+    model = AutoModelForImageTextToText.from_pretrained(final).eval()
+    processor = AutoProcessor.from_pretrained(final)
+    assert (
+        type(model).__name__ == "LlavaForConditionalGeneration"
+        and type(processor).__name__ == "LlavaProcessor"
+    )
+    rows = [json.loads(line) for line in (vlm / "task" / "eval.jsonl").read_text().splitlines()][:32]
+    images = [Image.open(vlm / "task" / row["images"][0]).convert("RGB") for row in rows]
+    right = _exact_matches(model, processor, rows, images)
+    wrong = _exact_matches(model, processor, rows, images[1:] + images[:1])
+    print("llava-tiny held-out exact match", right, "with another row's image", wrong)
+    assert right >= 0.6 and right - wrong >= 0.25, (right, wrong)
+
+    _, samples, tokenizer = _samples(vlm, tmp_path, rows=3, model=final)
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    for sample in samples:
+        ids, labels = sample["input_ids"].tolist(), sample["labels"].tolist()
+        assert ids.count(image_id) == 16
+        assert all(
+            label == IGNORE_INDEX for token, label in zip(ids, labels, strict=True) if token == image_id
+        )
+    pixels = _assert_packed_losses_are_alone_losses(model, processor, samples, tokenizer.pad_token_id)
+    assert pixels.shape == (3, 3, 32, 32)  # the row's three images, in order
+
+    # Exports: safetensors, verified on the images; GGUF refused with the reason before any work.
+    from lmforge.errors import UserInputError
+    from lmforge.export.convert import convert
+    from lmforge.export.verify import verify
+
+    convert(final, "safetensors", tmp_path / "st")
+    verdict = verify(tmp_path / "st", data=vlm / "task" / "eval.jsonl", max_rows=2, prompts=1, new_tokens=4)
+    assert verdict.passed and verdict.images["images"] == 2, verdict.failures
+    with pytest.raises(UserInputError, match="llama.cpp's projector for 'llava' models is not written"):
+        convert(final, "gguf", tmp_path / "gguf")
+
+    # DPO on image pairs from the SFT model, as for Idefics3: TRL batches them with the LlavaProcessor.
+    (tmp_path / "dpo").mkdir()
+    dpo = _config(
+        vlm,
+        tmp_path / "dpo",
+        {
+            "train": [{"path": str(vlm / "task" / "pairs-train.jsonl"), "max_documents": 120}],
+            "eval": [{"path": str(vlm / "task" / "pairs-eval.jsonl"), "max_documents": 32}],
+        },
+        stage="dpo",
+        max_steps=20,
+        micro_batch_size=8,
+        lr=1e-4,
+        eval_every=20,
+        save_every=20,
+    )
+    settings = yaml.safe_load(dpo.read_text())
+    settings["model"] = {"path": str(final)}
+    settings["train"].pop("vision")
+    dpo.write_text(yaml.safe_dump(settings))
+    result = run_cli("train", str(dpo))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [
+        json.loads(line)
+        for line in (tmp_path / "dpo" / "runs" / "vlm" / "metrics.jsonl").read_text().splitlines()
+    ]
+    dpo_evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    print("llava-tiny DPO eval loss", dpo_evals)
+    assert dpo_evals[0] == pytest.approx(0.6931, abs=1e-3) and dpo_evals[-1] < 0.66, dpo_evals
 
 
 def _prompt(row: dict) -> str:

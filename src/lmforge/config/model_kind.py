@@ -12,43 +12,68 @@ from typing import Any
 # What a vision-language model's folder holds besides the tokenizer and the weights: the image
 # processor's and the processor's settings (AutoProcessor reads them with the tokenizer's files).
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
-# The families whose processors lmforge places images with, tested: Idefics3 (SmolVLM's architecture).
-SUPPORTED_VISION_TYPES = ("idefics3",)
-# The tokens Idefics3's processor expands each `<image>` placeholder into, and its end of turn.
-IMAGE_TOKENS = ("<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>")
+# The families whose processors lmforge places images with, tested: Idefics3 (SmolVLM's
+# architecture) and LLaVA (a CLIP tower, an MLP projector, each image a fixed run of `<image>`).
+SUPPORTED_VISION_TYPES = ("idefics3", "llava")
+# The tokens each family's processor writes for an image (and Idefics3's end of turn): a preset's
+# tokenizer gets them as special tokens.
+FAMILY_IMAGE_TOKENS: dict[str, tuple[str, ...]] = {
+    "idefics3": ("<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"),
+    "llava": ("<image>",),
+}
+IMAGE_TOKENS = FAMILY_IMAGE_TOKENS["idefics3"]
 
+_TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 344,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+# A 2-layer vision tower of width 64 reading 32x32 images in 8x8 patches (16).
+_TINY_TOWER = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "image_size": 32,
+    "patch_size": 8,
+}
 VISION_PRESETS: dict[str, dict[str, Any]] = {
-    # About 0.5M parameters: 32x32 images in 8x8 patches (16), pixel-shuffled by 2 into 4 image
-    # tokens; a 2-layer vision tower of width 64 and a 2-layer Llama of width 128.
+    # About 0.5M parameters: the 16 patches pixel-shuffled by 2 into 4 image tokens (SigLIP tower).
     "smolvlm-tiny": {
+        "family": "idefics3",
         "image_size": 32,
         "image_seq_len": 4,
-        "vision_config": {
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "image_size": 32,
-            "patch_size": 8,
-        },
+        "vision_config": _TINY_TOWER,
         "scale_factor": 2,
-        "text_config": {
-            "model_type": "llama",
-            "hidden_size": 128,
-            "intermediate_size": 344,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 512,
-            "tie_word_embeddings": False,
-        },
+        "text_config": _TINY_LLAMA,
+    },
+    # LLaVA-1.5's layout at the same size: a CLIP tower whose second-to-last layer's 16 patch
+    # features (the class token dropped) go through a 2-layer GELU MLP: 16 image tokens.
+    "llava-tiny": {
+        "family": "llava",
+        "image_size": 32,
+        "image_seq_len": 16,
+        "vision_config": {**_TINY_TOWER, "model_type": "clip_vision_model", "projection_dim": 64},
+        "text_config": _TINY_LLAMA,
     },
 }
 
 
-def add_image_tokens(tokenizer: Any) -> None:
-    """Register Idefics3's image tokens as special tokens of `tokenizer` (in place; idempotent)."""
-    missing = [token for token in IMAGE_TOKENS if token not in tokenizer.get_vocab()]
+def preset_family(preset: str) -> str:
+    """The model_type (family) vision preset `preset` builds."""
+    return str(VISION_PRESETS[preset]["family"])
+
+
+def add_image_tokens(tokenizer: Any, preset: str = "smolvlm-tiny") -> None:
+    """Register the image tokens of `preset`'s family as special tokens of `tokenizer` (in place;
+    idempotent)."""
+    tokens = FAMILY_IMAGE_TOKENS[preset_family(preset)]
+    missing = [token for token in tokens if token not in tokenizer.get_vocab()]
     if missing:
         tokenizer.add_special_tokens({"additional_special_tokens": missing})
 
@@ -81,24 +106,40 @@ def saved_processor_files(folder: str | Path) -> list[Path]:
 
 
 def preset_image_settings(preset: str) -> dict[str, Any]:
-    """The image processor settings of vision preset `preset`: each image whole, one tile of the
-    preset's size."""
-    edge = {"longest_edge": VISION_PRESETS[preset]["image_size"]}
+    """The image processor settings of vision preset `preset`: each image whole, at the preset's
+    size (Idefics3: one tile; LLaVA: the shortest edge resized to it, then the centre crop)."""
+    side = int(VISION_PRESETS[preset]["image_size"])
+    if preset_family(preset) == "llava":
+        return {"size": {"shortest_edge": side}, "crop_size": {"height": side, "width": side}}
+    edge = {"longest_edge": side}
     return {"do_image_splitting": False, "size": edge, "max_image_size": edge}
 
 
 def preset_processor(preset: str, tokenizer: Any) -> Any:
-    """The Idefics3 processor of vision preset `preset` around `tokenizer` (its image tokens added):
-    one unsplit image of the preset's size a placeholder, `image_seq_len` image tokens. The data
-    stage places images with it and the model builder saves it beside the model."""
-    from transformers import Idefics3ImageProcessor, Idefics3Processor
-
+    """The processor of vision preset `preset` around `tokenizer` (its image tokens added): one
+    whole image of the preset's size a placeholder, `image_seq_len` image tokens. The data stage
+    places images with it and the model builder saves it beside the model."""
     spec = VISION_PRESETS[preset]
-    add_image_tokens(tokenizer)
-    image_processor = Idefics3ImageProcessor(**preset_image_settings(preset))
+    add_image_tokens(tokenizer, preset)
+    template = getattr(tokenizer, "chat_template", None)
+    # The PIL image processors: the same pixels whether or not torchvision is installed (the
+    # default classes switch to it when it is), so an export verified elsewhere sees what training saw.
+    if spec["family"] == "llava":
+        from transformers import CLIPImageProcessorPil, LlavaProcessor
+
+        return LlavaProcessor(
+            image_processor=CLIPImageProcessorPil(**preset_image_settings(preset)),
+            tokenizer=tokenizer,
+            patch_size=spec["vision_config"]["patch_size"],
+            vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,  # CLIP's class token, which "default" drops
+            chat_template=template,
+        )
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
     return Idefics3Processor(
-        image_processor=image_processor,
+        image_processor=Idefics3ImageProcessorPil(**preset_image_settings(preset)),
         tokenizer=tokenizer,
         image_seq_len=spec["image_seq_len"],
-        chat_template=getattr(tokenizer, "chat_template", None),
+        chat_template=template,
     )

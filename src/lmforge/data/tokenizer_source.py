@@ -44,7 +44,7 @@ def _with_preset_image_tokens(cfg: LmforgeConfig, tokenizer: PreTrainedTokenizer
     """A vision preset's image tokens join the tokenizer before any data is rendered with it (the
     model built later sizes its embeddings to the tokenizer)."""
     if cfg.model.preset in VISION_PRESET_NAMES:
-        add_image_tokens(tokenizer)
+        add_image_tokens(tokenizer, cfg.model.preset)
 
 
 def _trained_tokenizer(cfg: LmforgeConfig, cache_dir: Path) -> PreTrainedTokenizerBase:

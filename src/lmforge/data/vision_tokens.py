@@ -4,8 +4,8 @@ carry the pixels.
 A row's text holds one `<image>` placeholder per image (lmforge.data.images). The chat template
 renders it as the placeholder token; `ImageTokens` then replaces each one with the tokens the
 model's own processor writes for that image (Idefics3: `<fake_token_around_image><global-img>`,
-`<image>` x image_seq_len, `<fake_token_around_image>`; the count depends on the image's size
-for processors that split or tile). The expansion is computed by the processor itself on a
+`<image>` x image_seq_len, `<fake_token_around_image>`; LLaVA: `<image>` once per patch; the count
+depends on the image's size for processors that split or tile). The expansion is computed by the processor itself on a
 blank image of the same size, once per size, so the cached token ids and the pixels the
 collator computes later agree by construction. Image tokens never carry loss.
 
@@ -34,7 +34,8 @@ def load_processor(path: str, tokenizer: Any, *, trust_remote_code: bool = False
     if model_type not in SUPPORTED_VISION_TYPES:
         raise UserInputError(
             f"model.path: {path} is a {model_type!r} vision-language model; lmforge places images for "
-            f"{', '.join(SUPPORTED_VISION_TYPES)} (SmolVLM's architecture) so far. Fix: fine-tune one of those"
+            f"{', '.join(SUPPORTED_VISION_TYPES)} (SmolVLM's and LLaVA-1.5's architectures) so far. Fix: fine-tune "
+            "one of those"
         )
     try:
         return AutoProcessor.from_pretrained(path, tokenizer=tokenizer, trust_remote_code=trust_remote_code)

@@ -61,12 +61,13 @@ from lmforge.errors import UserInputError
 from lmforge.models.build import architecture_kwargs, config_for_model
 from lmforge.models.presets import POSITION_KEYS
 from lmforge.models.vision import (
-    IDEFICS3_FRAME_TOKENS,
-    IMAGE_TOKENS,
+    FAMILY_IMAGE_TOKENS,
     VISION_PRESETS,
     add_image_tokens,
+    frame_tokens_per_image,
     image_tokens_per_image,
     is_vision_config,
+    preset_family,
     vision_activation_bytes,
     vision_flops_per_image,
     vision_parts,
@@ -290,14 +291,16 @@ def _vocab_source(config: LmforgeConfig) -> str:
 
 
 def _vision_vocab(config: LmforgeConfig) -> int | None:
-    """A vision preset's vocabulary: the tokenizer's once `build_vision_model` has added Idefics3's
-    image tokens to it; None without a tokenizer (LlamaConfig's default)."""
+    """A vision preset's vocabulary: the tokenizer's once `build_vision_model` has added its
+    family's image tokens to it; None without a tokenizer (LlamaConfig's default)."""
+    preset = config.model.preset
+    assert preset is not None
     if config.tokenizer.train is not None:
-        return config.tokenizer.train.vocab_size + len(IMAGE_TOKENS)
+        return config.tokenizer.train.vocab_size + len(FAMILY_IMAGE_TOKENS[preset_family(preset)])
     if config.tokenizer.path is None:
         return None
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer.path)
-    add_image_tokens(tokenizer)
+    add_image_tokens(tokenizer, preset)
     return len(tokenizer)
 
 
@@ -308,11 +311,12 @@ def vision_estimate(
     refused when data.max_length cannot hold a sample's images."""
     parts = vision_parts(hf_config)
     per_image = image_tokens_per_image(hf_config)
-    framed = per_image + IDEFICS3_FRAME_TOKENS
+    frames = frame_tokens_per_image(hf_config)
+    framed = per_image + frames
     if IMAGES_PER_SAMPLE * framed > seq:
         raise UserInputError(
             f"data.max_length: {seq} tokens cannot hold a sample's {IMAGES_PER_SAMPLE} image(s) of {framed} "
-            f"tokens each ({per_image} image tokens and {IDEFICS3_FRAME_TOKENS} around them); raise it"
+            f"tokens each ({per_image} image tokens and {frames} around them); raise it"
         )
     acts = vision_activation_bytes(
         hf_config, weight_bytes=weight_bytes, sdpa=sdpa, checkpointing=checkpointing

@@ -212,7 +212,7 @@ class LlamaCppVisionModel(LlamaCppModel):
         self._check_length(len(token_ids))
         rows = np.full((len(token_ids), self.vocab_size), np.nan, dtype=np.float32)
         with self._prompt(token_ids, images) as steps:
-            self.llm.reset()
+            self._reset()
             for text, chunk in steps:
                 if chunk is None:
                     start = self.llm.n_tokens
@@ -233,7 +233,7 @@ class LlamaCppVisionModel(LlamaCppModel):
         self._check_length(len(prompt_ids) + max_new_tokens)
         ends_with_text = False
         with self._prompt(prompt_ids, images) as steps:
-            self.llm.reset()
+            self._reset()
             for text, chunk in steps:
                 if chunk is None:
                     self.llm.eval(text)
@@ -243,6 +243,12 @@ class LlamaCppVisionModel(LlamaCppModel):
         if not ends_with_text:  # llama.cpp computes no logits at an image's embeddings
             raise UserInputError("a prompt ending in an image: verification prompts end with text")
         return self._greedy_continuation(max_new_tokens, stop_ids)
+
+    def _reset(self) -> None:
+        """An empty context: image embeddings are decoded outside Llama.eval, which clears the KV
+        cache past its position only when it runs."""
+        self.llm.reset()
+        self.llm._ctx.kv_cache_clear()
 
     def _eval_image(self, chunk: Any) -> None:
         import llama_cpp

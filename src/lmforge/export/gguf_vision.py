@@ -82,13 +82,9 @@ def image_processor_settings(source: Path) -> dict[str, Any]:
 def llama_cpp_refusal(source: Path, config: dict[str, Any], tokenizer: Any) -> str | None:
     """Why llama.cpp would read this model's images differently from its own processor (the reason
     and the fix), or None when the GGUF pair will see what the model was trained on."""
-    model_type = config.get("model_type")
+    model_type = str(config.get("model_type"))
     if model_type not in VISION_GGUF_TYPES:
-        return (
-            f"llama.cpp's projector for {model_type!r} models is not written by lmforge (it writes idefics3's, "
-            "SmolVLM's architecture). Fix: export safetensors, or run llama.cpp's convert_hf_to_gguf.py with "
-            "--mmproj on this folder if llama.cpp supports the family"
-        )
+        return unsupported_family(model_type)
     settings = image_processor_settings(source)
     if not settings:
         return "the model's processor settings (processor_config.json) are missing; the images' tiling is unknown"
@@ -104,6 +100,23 @@ def llama_cpp_refusal(source: Path, config: dict[str, Any], tokenizer: Any) -> s
                 "before training)"
             )
     return None
+
+
+def unsupported_family(model_type: str) -> str:
+    """Why a VLM family gets no GGUF here, with what to do instead."""
+    if model_type == "llava":
+        return (
+            "llama.cpp's projector for 'llava' models is not written by lmforge (it writes idefics3's, SmolVLM's "
+            "architecture), and llama.cpp's own convert_hf_to_gguf.py does not convert a transformers LLaVA-1.5 "
+            "(CLIP tower) folder either: llama.cpp reads that family only through its legacy scripts "
+            "(tools/mtmd/legacy-models: llava_surgery_v2.py, convert_image_encoder_to_gguf.py). Fix: export "
+            "safetensors and serve it with transformers or vLLM"
+        )
+    return (
+        f"llama.cpp's projector for {model_type!r} models is not written by lmforge (it writes idefics3's, "
+        "SmolVLM's architecture). Fix: export safetensors, or run llama.cpp's convert_hf_to_gguf.py with "
+        "--mmproj on this folder if llama.cpp supports the family"
+    )
 
 
 def tiling_refusal(settings: dict[str, Any], tile: int) -> str | None:

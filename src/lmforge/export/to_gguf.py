@@ -48,6 +48,7 @@ from lmforge.export.gguf_vision import (
     llama_cpp_refusal,
     text_model_config,
     text_tensor_name,
+    unsupported_family,
     write_mmproj,
 )
 from lmforge.export.safetensors_stream import INDEX_NAME, Entry, SafetensorsReader
@@ -202,10 +203,14 @@ def _read_config(source: Path) -> dict[str, Any]:
     config = json.loads(config_path.read_text())
     model_type = config.get("model_type")
     if is_vision_gguf_source(config):
-        if model_type not in VISION_GGUF_TYPES or text_model_config(config)["model_type"] not in FAMILIES:
+        if model_type not in VISION_GGUF_TYPES:
             raise UserInputError(
-                f"{config_path}: a vision-language model of type {model_type!r}; GGUF export here writes "
-                f"{', '.join(VISION_GGUF_TYPES)} models (SmolVLM's architecture) with a llama text model"
+                f"--to gguf: {source} is a vision-language model, and {unsupported_family(str(model_type))}"
+            )
+        if text_model_config(config)["model_type"] not in FAMILIES:
+            raise UserInputError(
+                f"{config_path}: the text model of this vision-language model is a "
+                f"{text_model_config(config)['model_type']!r}; GGUF export here writes a llama one"
             )
         return config
     if model_type not in FAMILIES:

@@ -75,9 +75,9 @@ def refuse_vision_export(source: Path, to: str) -> None:
 def check_vision_exports(model_path: str | None, preset: str | None, formats: list[str]) -> None:
     """UserInputError, before a run trains, when `export.formats` names a format its vision-language
     model (`model.path`, or a vision `model.preset`) cannot be exported as: every such format at once."""
-    from lmforge.config.model_kind import VISION_PRESETS
+    from lmforge.config.model_kind import VISION_PRESETS, preset_family
 
-    model_type = "idefics3" if preset in VISION_PRESETS else vision_model_type(model_path)
+    model_type = preset_family(preset) if preset in VISION_PRESETS else vision_model_type(model_path)
     if model_type is None:
         return
     source = "runs/<name>/final"
@@ -91,12 +91,21 @@ def check_vision_exports(model_path: str | None, preset: str | None, formats: li
 
 def _gguf_refusal(model_path: str | None, preset: str | None, source: str) -> str | None:
     """Why the run's VLM cannot be a GGUF pair llama.cpp reads as the model does (None: it can)."""
-    from lmforge.config.model_kind import VISION_PRESETS, preset_image_settings
-    from lmforge.export.gguf_vision import llama_cpp_refusal, tiling_refusal
+    from lmforge.config.model_kind import VISION_PRESETS, preset_family, preset_image_settings
+    from lmforge.export.gguf_vision import (
+        VISION_GGUF_TYPES,
+        llama_cpp_refusal,
+        tiling_refusal,
+        unsupported_family,
+    )
 
+    reason: str | None
     if preset in VISION_PRESETS:
         assert preset is not None
-        reason = tiling_refusal(preset_image_settings(preset), int(VISION_PRESETS[preset]["image_size"]))
+        if preset_family(preset) not in VISION_GGUF_TYPES:
+            reason = unsupported_family(preset_family(preset))
+        else:
+            reason = tiling_refusal(preset_image_settings(preset), int(VISION_PRESETS[preset]["image_size"]))
     else:
         from transformers import AutoTokenizer
 
