@@ -20,12 +20,12 @@ work with the reason, instead of written and found wrong later.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import gguf
 
+from lmforge.errors import UserInputError
 from lmforge.export.gguf_encoding import PlannedTensor, QType, storage_type, write_complete
 from lmforge.export.safetensors_stream import SafetensorsReader
 
@@ -170,8 +170,6 @@ def _plan_vision_tensors(shards: list[Path], layers: int, weight_type: QType) ->
                 continue
             name = names.get_name(entry.name, try_suffixes=(".weight", ".bias"))
             if name is None:
-                from lmforge.errors import UserInputError
-
                 raise UserInputError(
                     f"{shard}: vision tensor {entry.name!r} has no name in llama.cpp's projector layout; is this "
                     "a plain Idefics3 / SmolVLM checkpoint?"
@@ -207,4 +205,4 @@ def _add_vision_metadata(writer: gguf.GGUFWriter, source: Path, config: dict[str
 
 
 def is_mmproj(path: Path) -> bool:
-    return bool(re.match(re.escape(MMPROJ_PREFIX), path.name))
+    return path.name.startswith(MMPROJ_PREFIX)
