@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -109,7 +110,11 @@ class HFTrainerAdapter(Trainer):
             return super().train(source, trial, ignore_keys_for_eval)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        if not load_resumed_model(self, resume_from_checkpoint, model):
+        if load_resumed_model(self, resume_from_checkpoint, model):
+            return
+        if not _load_renamed_weights(
+            self.accelerator.unwrap_model(model or self.model), resume_from_checkpoint
+        ):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _issue_warnings_after_load(self, load_result: Any) -> None:
@@ -122,6 +127,11 @@ class HFTrainerAdapter(Trainer):
         if len(missing) < len(load_result.missing_keys):
             model.tie_weights()
             load_result = load_result._replace(missing_keys=missing)
+        if missing:  # a resume that left weights at their initial values would train on silently
+            raise RuntimeError(
+                f"the checkpoint did not restore {len(missing)} weight(s) of the model (first: {missing[0]}); "
+                "resuming would train from their initial values"
+            )
         super()._issue_warnings_after_load(load_result)
 
     def _get_train_sampler(self, train_dataset: Any = None) -> Any:
@@ -420,3 +430,26 @@ def tied_aliases(model: nn.Module) -> set[str]:
     ones `named_parameters()` drops as duplicates."""
     every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     return every - {name for name, _ in model.named_parameters()}
+
+
+def _load_renamed_weights(model: Any, checkpoint: str) -> bool:
+    """Load a checkpoint saved under the model family's checkpoint names into `model`, through
+    from_pretrained's renaming; True when it did. transformers' save_pretrained writes a LLaVA
+    model's weights as `language_model.*` / `vision_tower.*` / `multi_modal_projector.*`, and HF
+    Trainer's resume loads the file by module names (`model.language_model.*`), which match none."""
+    from safetensors import safe_open
+    from transformers import PreTrainedModel
+
+    files = sorted(Path(checkpoint).glob("model*.safetensors"))
+    if not isinstance(model, PreTrainedModel) or hasattr(model, "peft_config") or not files:
+        return False
+    saved: set[str] = set()
+    for file in files:
+        with safe_open(str(file), "pt") as handle:
+            saved |= set(handle.keys())
+    if saved <= set(model.state_dict()):
+        return False  # module names: HF's loader reads them
+    dtype = next(model.parameters()).dtype
+    loaded = type(model).from_pretrained(checkpoint, config=model.config, dtype=dtype)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    return True
