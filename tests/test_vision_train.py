@@ -650,3 +650,27 @@ def test_dpo_on_a_vlm_prefers_the_answer_its_image_supports(
     refused = run_cli("prepare", str(path))
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert "the row has images, but train.stage: kto trains on text only" in refused.stderr
+
+
+def test_a_llava_run_killed_after_a_checkpoint_resumes_to_the_same_weights(vlm: Path, tmp_path: Path) -> None:
+    """A LLaVA checkpoint holds transformers' LLaVA checkpoint names (`language_model.*`, ...), not
+    the module names HF Trainer's resume loads by: killed after step 6 of 12 and run again, the run
+    resumes with the checkpoint's weights and ends bitwise where an uninterrupted run ends."""
+    from safetensors.torch import load_file
+
+    data = {"train": [{"path": str(vlm / "task" / "train.jsonl"), "max_documents": 200}], "packing": True}
+    settings = {"preset": "llava-tiny", "max_steps": 12, "micro_batch_size": 8, "log_every": 2}
+    finals = []
+    for name in ("whole", "killed"):
+        (tmp_path / name).mkdir()
+        config = _config(vlm, tmp_path / name, data, save_every=6, eval_every=12, **settings)  # type: ignore[arg-type]
+        if name == "killed":
+            crashed = run_cli("train", str(config), "debug.crash_at_step=6")
+            assert crashed.returncode < 0, crashed.stderr[-3000:]
+        result = run_cli("train", str(config))
+        assert result.returncode == 0, result.stderr[-3000:]
+        if name == "killed":
+            assert "resuming from" in result.stderr and "missing keys" not in result.stderr
+        finals.append(load_file(tmp_path / name / "runs" / "vlm" / "final" / "model.safetensors"))
+    whole, resumed = finals
+    assert set(whole) == set(resumed) and all(torch.equal(whole[k], resumed[k]) for k in whole)
