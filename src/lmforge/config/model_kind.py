@@ -105,6 +105,13 @@ def saved_processor_files(folder: str | Path) -> list[Path]:
     return [Path(folder) / name for name in PROCESSOR_FILES if (Path(folder) / name).is_file()]
 
 
+def run_processor_files(model_path: str | Path | None, run_processor_dir: str | Path) -> list[Path]:
+    """The processor settings files a run's final/ and checkpoints carry beside its model: those of
+    the vision-language `model_path`, else (a vision preset has no folder) the ones the run saved in
+    `run_processor_dir` (RunPaths.processor); none for a text model."""
+    return processor_files(model_path) or saved_processor_files(run_processor_dir)
+
+
 def preset_image_settings(preset: str) -> dict[str, Any]:
     """The image processor settings of vision preset `preset`: each image whole, at the preset's
     size (Idefics3: one tile; LLaVA: the shortest edge resized to it, then the centre crop)."""

@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lmforge.config.model_kind import processor_files, saved_processor_files
+from lmforge.config.model_kind import run_processor_files
 from lmforge.distributed.expert_parallel import shard_experts_over_data
 from lmforge.distributed.layout import Layout
 from lmforge.distributed.parallel_state import DimensionHooks, ParallelState
@@ -253,12 +253,8 @@ def _copy_processor_files(trainer: Any, checkpoint: Path) -> None:
     `lmforge ckpt consolidate` of a sharded checkpoint, or AutoProcessor on a checkpoint, found
     no image processor."""
     model = trainer.accelerator.unwrap_model(trainer.model)
-    sources = processor_files(getattr(model, "name_or_path", None) or None)
-    # A vision preset's model has no folder: its run saved the processor (RunPaths.processor);
-    # output_dir is checkpoints/.staging.
-    run = RunPaths(Path(trainer.args.output_dir).parent.parent)
-    sources = sources or saved_processor_files(run.processor)
-    for source in sources:
+    run = RunPaths(Path(trainer.args.output_dir).parent.parent)  # output_dir is checkpoints/.staging
+    for source in run_processor_files(getattr(model, "name_or_path", None) or None, run.processor):
         shutil.copy2(source, checkpoint / source.name)
 
 

@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase, Trainer, TrainerCallback
 from lmforge.ckpt.atomic import CheckpointStatus, find_latest_complete
 from lmforge.ckpt.safe_load import no_code_from_checkpoints
 from lmforge.config import LmforgeConfig, dump_config
-from lmforge.config.model_kind import VISION_PRESET_NAMES, processor_files, saved_processor_files
+from lmforge.config.model_kind import VISION_PRESET_NAMES, run_processor_files
 from lmforge.config.schema import MonitorConfig
 from lmforge.config.stages import stage_spec
 from lmforge.distributed.parallel import parallelize
@@ -359,7 +359,7 @@ def _train_and_export(
         paths,
         merge_lora=cfg.export.merge_lora,
         finished=finished,
-        extra_files=processor_files(cfg.model.path) or saved_processor_files(paths.processor),
+        extra_files=run_processor_files(cfg.model.path, paths.processor),
     )
     if trainer.is_world_process_zero():
         clear_partial_writes(paths)  # a finished run keeps no empty checkpoints/.staging
