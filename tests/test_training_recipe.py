@@ -91,6 +91,9 @@ def killed_and_resumed(tmp_path: Path, train: dict, **sections: dict) -> tuple[P
     # "not resuming from step-3: ..." (a refused checkpoint) would match the words alone.
     assert "resuming from" in resumed.stderr and "step-3" in resumed.stderr
     assert "not resuming" not in resumed.stderr, resumed.stderr[-3000:]
+    # DeepSpeed's import notice goes to train.log, on a resume too (where reading the checkpoint of a
+    # LoRA run imports PEFT, and so DeepSpeed, before the run's log is set up).
+    assert "Setting accelerator to CPU" not in resumed.stdout + resumed.stderr
     return tmp_path / "reference" / "runs" / "run", tmp_path / "killed" / "runs" / "run", resumed.stderr
 
 

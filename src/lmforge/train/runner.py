@@ -83,6 +83,11 @@ def run_training(
     the CLI writes report.html there (training never imports the report).
     """
     check_runs_here(cfg)  # what this machine lacks for the run, before any work
+    if not is_verbose():
+        # DeepSpeed's own lines: train.log, and the console when they matter. Routed before the run
+        # is set up: resuming a LoRA run imports PEFT (and so DeepSpeed) while reading its checkpoint.
+        route_deepspeed_logs()
+        quiet_progress_bars()
     share_node_cores()  # OMP_NUM_THREADS from this node's cores where no launcher set it
     on_gpu = torch.cuda.is_available()
     plan = plan_for(cfg, precision=resolve_precision(cfg.train.precision, use_cuda=on_gpu), on_gpu=on_gpu)
@@ -147,9 +152,6 @@ def _train_run(
     extra_callbacks: list[TrainerCallback],
     after_run: Callable[[Path], None],
 ) -> TrainOutcome:
-    if not is_verbose():
-        route_deepspeed_logs()  # DeepSpeed's own lines: train.log, and the console when they matter
-        quiet_progress_bars()
     world = plan.world
     start = setup.start
     resume = start.resume
