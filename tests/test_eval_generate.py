@@ -130,6 +130,7 @@ def test_generate_cli_prints_the_reply_on_model_adapter_and_final_dirs(models: d
             "generate", str(models[name]), "--prompt", QA[1]["question"], "--max-new-tokens", "12"
         )
         assert result.returncode == 0, result.stderr[-3000:]
+        assert "Warning" not in result.stderr, result.stderr[-3000:]  # upstream notices stay off the console
         outputs[name] = result.stdout.strip()
     assert outputs["trained"] == "Paris"  # the end-of-turn token is not printed
     assert outputs["adapter"] and outputs["adapter"] == outputs["final"]  # same adapter, two layouts

@@ -511,6 +511,15 @@ def test_a_vlm_lora_adapter_merges_into_a_model_with_the_adapters_logits(vlm: Pa
         expected = PeftModel.from_pretrained(base, final / "adapter").eval()(**batch).logits
         got = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged").eval()(**batch).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # `lmforge generate --image` on the adapter alone (its base model's processor) answers as the merge.
+    replied = [
+        run_cli("generate", str(model), "--image", str(vlm / "task" / "images" / "eval-00001.png"),
+                "--prompt", "how many shapes are there?", "--max-new-tokens", "4")
+        for model in (final / "adapter", tmp_path / "merged")
+    ]  # fmt: skip
+    assert all(reply.returncode == 0 for reply in replied), replied[0].stderr[-2000:]
+    assert replied[0].stdout == replied[1].stdout and replied[0].stdout.strip()
+    assert "Warning" not in replied[0].stderr  # PEFT's call of a deprecated transformers property
     converted = run_cli(
         "ckpt", "convert", str(tmp_path / "merged"), "--to", "safetensors", "--out", str(tmp_path / "st")
     )

@@ -178,18 +178,32 @@ def _with_placeholders(prompt: str, images: int) -> str:
     return prompt
 
 
+def _vision_model_dir(model_dir: Path) -> Path:
+    """The folder with the vision-language model's config and processor: `model_dir`, or for a PEFT
+    adapter (a LoRA run's final/adapter) the local base model it names."""
+    from lmforge.config.model_kind import vision_model_type
+    from lmforge.evaluate.loading import adapter_base
+
+    if vision_model_type(model_dir) is None and (model_dir / "adapter_config.json").is_file():
+        base = Path(adapter_base(model_dir))
+        if vision_model_type(base) is not None:
+            return base
+    return model_dir
+
+
 def _require_vision_model(model_dir: Path) -> None:
     from lmforge.config.model_kind import vision_model_type
 
-    if vision_model_type(model_dir) is None:
+    if vision_model_type(_vision_model_dir(model_dir)) is None:
         raise UserInputError(
             f"--image: {model_dir} is not a vision-language model folder with its processor (no config.json "
-            "with a vision_config); give a VLM run's final/ (after lmforge ckpt merge-lora for an adapter run)"
+            "with a vision_config), nor an adapter of one; give a VLM run's final/ or its adapter/"
         )
 
 
 def _vision_processor(model_dir: Path, tokenizer: Any) -> Any:
-    """The processor saved beside a vision-language model (a full run's final/ or a model folder)."""
+    """The processor saved beside a vision-language model (a full run's final/, a model folder, or
+    an adapter's base model)."""
     from lmforge.data.vision_tokens import load_processor
 
-    return load_processor(str(model_dir), tokenizer)
+    return load_processor(str(_vision_model_dir(model_dir)), tokenizer)

@@ -7,6 +7,7 @@ mode, float32 on CPU or bfloat16 on CUDA.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -151,7 +152,9 @@ def _apply_adapter(model: PreTrainedModel, adapter_dir: Path) -> PreTrainedModel
     from peft import PeftModel
 
     try:
-        peft_model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=False)
+        with warnings.catch_warnings():  # PEFT calls transformers' deprecated is_gradient_checkpointing
+            warnings.simplefilter("ignore", FutureWarning)
+            peft_model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=False)
     except (OSError, ValueError) as err:
         raise UserInputError(f"{adapter_dir}: cannot load the adapter: {err}") from None
     return peft_model  # type: ignore[return-value]
