@@ -31,7 +31,10 @@ def sweep(
         show_default=False,
     ),
     sampler: str = typer.Option(
-        "tpe", "--sampler", help="tpe, random or grid (grid: every key a list of values)."
+        "tpe",
+        "--sampler",
+        help="tpe (its first 10 trials spread over the space, then modelled), random (every trial "
+        "spread: quasi-random) or grid (every key a list of values).",
     ),
     pruner: str = typer.Option("median", "--pruner", help="median, hyperband or none."),
     prune_after: int = typer.Option(

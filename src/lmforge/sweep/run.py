@@ -94,7 +94,7 @@ def run_sweep(
         direction=direction,
         metric=metric,
         space_keys=list(space.distributions),
-        sampler=studies.make_sampler(options.sampler, cfg.run.seed, grid),
+        sampler=studies.make_sampler(options.sampler, cfg.run.seed, grid, list(space.distributions)),
         pruner=studies.make_pruner(options.pruner, options.prune_after),
     )
     recovered = studies.recover_interrupted(study, say)
