@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -223,3 +224,28 @@ def test_a_lora_run_holds_100_percent_of_its_parameters_after_trl_adds_its_refer
     assert sum(p.numel() for name, p in model.named_parameters() if ".ref." in name) == reference
     whole = sum(p.numel() for p in model.parameters())
     assert f"rank 0 holds {whole:,} of {whole:,} parameter elements (100.0%, none)" in caplog.text
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _frames(stream: io.StringIO) -> int:
+    """How many times a bar was drawn: tqdm starts each redraw with a carriage return."""
+    return stream.getvalue().count("\r")
+
+
+def test_a_progress_bar_in_a_log_file_draws_its_first_and_last_frame_only() -> None:
+    """A job's log file got 25 carriage-return frames of one 3-second export verification; where
+    the stream is not a terminal, lmforge's bars redraw at most every 30 s. A terminal keeps
+    tqdm's 0.1 s redraws."""
+    from lmforge.verbosity import progress_bar
+
+    def run(stream: io.StringIO) -> int:
+        for _ in progress_bar(range(40), desc="verify logits", file=stream):
+            time.sleep(0.02)  # 0.8 s in all: eight of tqdm's 0.1 s redraw intervals
+        return _frames(stream)
+
+    assert run(io.StringIO()) <= 2
+    assert run(_Terminal()) >= 5

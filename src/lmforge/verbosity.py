@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
+from typing import Any, TextIO
 
 VERBOSE_ENV = "LMFORGE_VERBOSE"
 # A record logged with extra={FILE_ONLY: True} is for train.log alone (HF's raw log dicts, which
@@ -147,3 +149,22 @@ class QuietConsole(logging.Filter):
 
 
 QUIET_CONSOLE = QuietConsole()  # one instance: adding it to a handler twice is a no-op
+
+
+# Where a progress bar's stream is not a terminal (a job's log file, a CI log), tqdm still redraws
+# every 0.1 s with carriage returns: a 64-row export verification left 25 frames on one line.
+NON_TERMINAL_REDRAW_SECONDS = 30.0
+
+
+def progress_bar(iterable: Any = None, **kwargs: Any) -> Any:
+    """lmforge's progress bar (tqdm.auto, same arguments). On a stream that is not a terminal it
+    redraws at most every 30 s: a short step leaves its first and last frame, a long one a frame
+    every 30 s."""
+    from tqdm.auto import tqdm
+
+    stream: TextIO = kwargs.get("file") or sys.stderr
+    if not (hasattr(stream, "isatty") and stream.isatty()):
+        # maxinterval too: tqdm's monitor thread redraws a bar idle for maxinterval (10 s by default).
+        kwargs.setdefault("mininterval", NON_TERMINAL_REDRAW_SECONDS)
+        kwargs.setdefault("maxinterval", NON_TERMINAL_REDRAW_SECONDS)
+    return tqdm(iterable, **kwargs)

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from datasets import Dataset, load_from_disk
-from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from lmforge.config.schema import DataConfig, SourceConfig
@@ -44,6 +43,7 @@ from lmforge.data.prep import prepare, split_holdout
 from lmforge.data.sft import sft_fingerprint
 from lmforge.data.stats import length_histogram
 from lmforge.errors import UserInputError
+from lmforge.verbosity import progress_bar
 
 if TYPE_CHECKING:
     from lmforge.data.vision_tokens import ImageTokens
@@ -200,7 +200,7 @@ class _LengthChecker:
     def rows(self, examples: Iterable[Example], stage: str, split: str) -> list[_Row]:
         out: list[_Row] = []
         chunk: list[_Unit] = []
-        with tqdm(desc=f"check lengths {split}", unit="row") as bar:
+        with progress_bar(desc=f"check lengths {split}", unit="row") as bar:
             for example in examples:
                 chunk.extend(_as_prompt_and_answers(example, stage))
                 bar.update(1)

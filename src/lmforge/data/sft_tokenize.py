@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from lmforge.config.schema import DataConfig
@@ -24,6 +23,7 @@ from lmforge.data.chat import Dropped, TokenizedSample, tokenize_conversations
 from lmforge.data.examples import Conversation
 from lmforge.data.ragged import RaggedSamples
 from lmforge.errors import UserInputError
+from lmforge.verbosity import progress_bar
 
 if TYPE_CHECKING:
     from lmforge.data.vision_tokens import ImageTokens
@@ -62,7 +62,7 @@ class SampleTokenizer:
         }
         images: list[list[list[str]]] = []
         chunks = (list(map(as_conversation, chunk)) for chunk in _chunks(examples, _TOKENIZE_CHUNK))
-        with tqdm(desc=f"tokenize {split}", unit="row") as bar:
+        with progress_bar(desc=f"tokenize {split}", unit="row") as bar:
             for chunk in _tokenized_chunks(chunks, self.tokenizer, settings, workers):
                 for reason in chunk.dropped:
                     self.dropped[f"{split}: {reason}"] += 1

@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from lmforge.config.schema import DataConfig, SourceConfig
@@ -38,6 +37,7 @@ from lmforge.data.sources import SourceStats, iter_documents, sources_fingerprin
 from lmforge.data.stats import LengthHistogram
 from lmforge.data.tokenizer import batch_encoder, tokenizer_fingerprint
 from lmforge.errors import UserInputError
+from lmforge.verbosity import progress_bar
 
 # Bump when the packing rules or the cache layout change: old caches then stop matching.
 CODE_VERSION = "text-v1"
@@ -131,7 +131,10 @@ class _Packer:
         tokens = [0] * len(sources)
         batches = _document_batches(sources, stats, split)
         histogram = LengthHistogram()
-        with out.open("wb") as handle, tqdm(desc=f"tokenize {split}", unit="tok", unit_scale=True) as bar:
+        with (
+            out.open("wb") as handle,
+            progress_bar(desc=f"tokenize {split}", unit="tok", unit_scale=True) as bar,
+        ):
             write_header(handle, 0, self.block_length)  # rows set when the stream ends
             for index, flat, lengths in self._encoded(batches):
                 with _timed(self.timings, "pack_s"):

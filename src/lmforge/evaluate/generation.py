@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lmforge.data.chat import stop_token_ids
+from lmforge.verbosity import progress_bar
 
 
 def chat_messages(prompt: str, system: str | None = None) -> list[dict[str, str]]:
@@ -84,7 +84,9 @@ def generate_answers(
     """Greedy replies to many conversations, in batches left-padded so replies start together."""
     stops = stop_token_ids(tokenizer) | {tokenizer.pad_token_id}
     replies: list[str] = []
-    for start in tqdm(range(0, len(conversations), batch_size), desc="generate answers", unit="batch"):
+    for start in progress_bar(
+        range(0, len(conversations), batch_size), desc="generate answers", unit="batch"
+    ):
         texts = [render_prompt(tokenizer, m) for m in conversations[start : start + batch_size]]
         encoded = tokenizer(
             texts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt"

@@ -14,12 +14,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lmforge.data.chat import IGNORE_INDEX, TokenizedSample, resolve_template, tokenize_conversation
 from lmforge.data.collate import PaddedCollator
 from lmforge.data.examples import Conversation, Message, Origin
+from lmforge.verbosity import progress_bar
 
 
 def text_perplexity(
@@ -87,7 +87,7 @@ def dataset_perplexity(
     """Perplexity over the labelled tokens of `dataset` batched by `collator` (a run's eval data)."""
     loader: Iterable[dict[str, Any]] = DataLoader(dataset, batch_size=batch_size, collate_fn=collator)  # type: ignore[arg-type]
     nll, tokens, batches = 0.0, 0, 0
-    for batch in tqdm(loader, desc="perplexity", unit="batch"):
+    for batch in progress_bar(loader, desc="perplexity", unit="batch"):
         if limit is not None and batches * batch_size >= limit:
             break
         batch_nll, batch_tokens = _nll_sum(model, batch)

@@ -21,9 +21,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from lmforge.export.safetensors_stream import DTYPES, Entry, SafetensorsReader
+from lmforge.verbosity import progress_bar
 
 QType = gguf.GGMLQuantizationType
 _Q8_ROWS_PER_CHUNK = 256  # bounds the float32 scratch of q8_0 quantization (a few MB)
@@ -183,7 +183,7 @@ def write_streaming(writer: gguf.GGUFWriter, plan: list[PlannedTensor]) -> None:
     byteswap = writer.endianess != (gguf.GGUFEndian.BIG if sys.byteorder == "big" else gguf.GGUFEndian.LITTLE)
     readers: dict[Path, SafetensorsReader] = {}
     try:
-        for tensor in tqdm(plan, desc="write gguf", unit="tensor"):
+        for tensor in progress_bar(plan, desc="write gguf", unit="tensor"):
             writer.write_padding(out, out.tell())
             if tensor.computed is not None:
                 blocks: Iterable[np.ndarray] = [tensor.computed]

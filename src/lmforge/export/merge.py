@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from tqdm.auto import tqdm
 
 from lmforge.ckpt.atomic import check_out_path, staged_directory
 from lmforge.errors import UserInputError
 from lmforge.export.safetensors_stream import INDEX_NAME, SafetensorsReader, write_header, write_tensor
 from lmforge.export.to_safetensors import SIDE_FILES
 from lmforge.upstream import route_deepspeed_logs
+from lmforge.verbosity import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def merge_lora(base: Path, adapter: Path, out: Path) -> MergeReport:
     report = MergeReport(out, 0, 0, [s.name for s in shards])
     weight_map: dict[str, str] = {}
     with staged_directory(out) as staging:
-        for shard in tqdm(shards, desc="merge shards", unit="shard"):
+        for shard in progress_bar(shards, desc="merge shards", unit="shard"):
             with SafetensorsReader(shard) as reader, (staging / shard.name).open("wb") as writer:
                 # An untied copy of the original embedding goes right after it as the output head.
                 layout = [(e.name, e.dtype, e.shape, e.end - e.start) for e in reader.entries]

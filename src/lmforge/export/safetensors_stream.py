@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-from tqdm.auto import tqdm
 
 from lmforge.errors import UserInputError
+from lmforge.verbosity import progress_bar
 
 DTYPES = {
     "F64": torch.float64,
@@ -177,7 +177,7 @@ def write_sharded(
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     weight_map: dict[str, str] = {}
-    with tqdm(total=len(specs), desc=desc, unit="tensor") as progress:
+    with progress_bar(total=len(specs), desc=desc, unit="tensor") as progress:
         for name, shard in zip(names, shards, strict=True):
             with (out_dir / name).open("wb") as out:
                 write_header(

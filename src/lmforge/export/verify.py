@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from lmforge.errors import UserInputError
 from lmforge.export.convert import EXPORT_RECORD
@@ -42,6 +41,7 @@ from lmforge.export.runtimes import (
     token_logprob_mean,
 )
 from lmforge.export.vision_verify import Scored, image_rows, images_checked
+from lmforge.verbosity import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ def task_accuracy(
     stops = stop_token_ids(tokenizer) | {tokenizer.pad_token_id}
     correct = {"artifact": 0, "reference": 0}
     examples: list[dict[str, str]] = []
-    for question in tqdm(questions, desc="verify accuracy", unit="question"):
+    for question in progress_bar(questions, desc="verify accuracy", unit="question"):
         answers = {}
         for side, model in (("artifact", artifact), ("reference", reference)):
             ids = _greedy(
@@ -289,7 +289,7 @@ def compare(
     max_diff = scale = 0.0
     agree = positions = 0
     nll_artifact, nll_reference = [], []
-    for ids, start, images in tqdm(scored, desc="verify logits", unit="seq"):
+    for ids, start, images in progress_bar(scored, desc="verify logits", unit="seq"):
         ours, ref = _logits(artifact, ids, images), _logits(reference, ids, images)
         if getattr(artifact.runtime, "normalized", False):  # vLLM reports log-probabilities
             ref = log_softmax(ref)
@@ -308,7 +308,7 @@ def compare(
         nll_reference.append(token_logprob_mean(ref, ids, start))
     ppl_artifact, ppl_reference = float(np.exp(np.mean(nll_artifact))), float(np.exp(np.mean(nll_reference)))
     generations: list[dict[str, Any]] = []
-    for ids, start, images in tqdm(scored[:prompts], desc="verify greedy", unit="prompt"):
+    for ids, start, images in progress_bar(scored[:prompts], desc="verify greedy", unit="prompt"):
         # A row with images is prompted up to its answer: half of it could cut an image's tokens.
         prompt = ids[:start] if images else ids[: max(len(ids) // 2, 2)]
         ours_new = _greedy(artifact, prompt, new_tokens, images, cache=False)

@@ -22,10 +22,10 @@ from datatrove.executor.base import PipelineExecutor
 from datatrove.executor.local import LocalPipelineExecutor
 from datatrove.executor.slurm import SlurmPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
-from tqdm.auto import tqdm
 
 from lmforge.config.schema import SlurmStoreConfig
 from lmforge.errors import UserInputError
+from lmforge.verbosity import progress_bar
 
 LOGS_DIR = "logs"
 LAUNCH_SCRIPT = "launch_script.slurm"
@@ -125,7 +125,7 @@ def _progress_line(
     executor: PipelineExecutor, progress: Callable[[], tuple[int, int]], console: Any
 ) -> Iterator[None]:
     stop = threading.Event()
-    bar = tqdm(total=executor.world_size, desc="token store", unit="task", file=console)
+    bar = progress_bar(total=executor.world_size, desc="token store", unit="task", file=console)
 
     def update() -> None:
         done, tokens = progress()
