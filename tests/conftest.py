@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.forked_cli import FORK_SERVER
+
 ROOT = Path(__file__).resolve().parents[1]
 # A preset narrowed so that each end-to-end training run in the suite takes seconds.
 SMALL_ARCH = {
@@ -20,6 +22,14 @@ SMALL_ARCH = {
     "num_attention_heads": 2,
     "num_key_value_heads": 1,
 }
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    terminalreporter.write_line(FORK_SERVER.summary())  # a change that sends every command fresh shows here
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    FORK_SERVER.stop()
 
 
 @pytest.fixture(autouse=True)
@@ -44,10 +54,20 @@ def save_tiny_llama(tokenizer, out: Path) -> Path:  # type: ignore[no-untyped-de
 
 
 def run_cli(
-    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: int = 600
+    *args: str,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: int = 600,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """Run `lmforge ARGS` the way a user does, in a subprocess."""
+    """Run `lmforge ARGS` the way a user does, in a process of its own: forked from a server that has
+    imported the libraries already (tests/forked_cli.py), or a fresh interpreter when `fresh` (a test
+    about what a new process shows) or when `env` sets a variable those imports read."""
     full_env = {**os.environ, **(env or {})}
+    reason = "fresh=True" if fresh else FORK_SERVER.fresh_reason(full_env)
+    if reason is None:
+        return FORK_SERVER.run(list(args), cwd, full_env, timeout)
+    FORK_SERVER.fresh[reason] += 1
     return subprocess.run(
         [sys.executable, "-m", "lmforge.cli.main", *args],
         cwd=cwd,

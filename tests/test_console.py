@@ -73,7 +73,8 @@ def test_step_and_eval_lines_show_numbers_as_numbers() -> None:
 def test_verbose_restores_hf_trainers_raw_output(tmp_path: Path) -> None:
     (tmp_path / "corpus.txt").write_text("some text to read for a tiny model\n" * 200)
     config = write_config(tmp_path, tmp_path / "corpus.txt", max_steps=2, log_every=1)
-    result = run_cli("train", str(config), "--verbose", "run.name=verbose")
+    # fresh: --verbose also undoes the quieting of what libraries print while they import
+    result = run_cli("train", str(config), "--verbose", "run.name=verbose", fresh=True)
     assert result.returncode == 0, result.stderr[-3000:]
     printed = result.stdout + result.stderr
     assert "{'loss'" in printed  # HF's own log dicts

@@ -126,8 +126,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_generate_cli_prints_the_reply_on_model_adapter_and_final_dirs(models: dict[str, Path]) -> None:
     outputs = {}
     for name in ("trained", "adapter", "final"):
-        result = run_cli(
-            "generate", str(models[name]), "--prompt", QA[1]["question"], "--max-new-tokens", "12"
+        result = run_cli(  # the first in a fresh interpreter: notices printed while libraries import
+            "generate",
+            str(models[name]),
+            "--prompt",
+            QA[1]["question"],
+            "--max-new-tokens",
+            "12",
+            fresh=name == "trained",
         )
         assert result.returncode == 0, result.stderr[-3000:]
         assert "Warning" not in result.stderr, result.stderr[-3000:]  # upstream notices stay off the console

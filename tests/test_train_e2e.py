@@ -258,7 +258,10 @@ def test_quickstart_runs_offline_and_says_where_everything_is(tmp_path: Path) ->
     300): after 20 or 40 the base is still noise (eval perplexity 4,300 -> 800), and what the LoRA
     fine-tune reaches on it depends on the order of the pretraining blocks (0.35-0.6 held-out); after
     100 (perplexity ~490) it reaches ~0.8."""
-    result = run_cli("quickstart", "--out", str(tmp_path / "qs"), "--steps", "100", "--rl-steps", "10")
+    # fresh: a new user's first command, console and all
+    result = run_cli(
+        "quickstart", "--out", str(tmp_path / "qs"), "--steps", "100", "--rl-steps", "10", fresh=True
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "qs" / "quickstart.json").read_text())
     pretrain = summary["results"]["pretrain"]

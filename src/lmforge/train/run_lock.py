@@ -6,6 +6,12 @@ config and delete each other's staging directories. The lock is `fcntl.flock` on
 by a crashed run never blocks the next one. The file names its holder (pid, host, start time)
 for the message the second process prints; a clean exit empties it, so a non-empty file found
 on taking the lock is the record of a holder that died, reported as taken over.
+
+A flock belongs to the open file, which a forked child shares: the DataLoader's workers (and any
+other fork of the training process) would keep the run "in use" after a SIGKILL of the run, until
+they notice their parent is gone, and a supervisor restarting at once would get exit 2. So every
+child forked while a lock is held points its copy of the descriptor at /dev/null at fork time:
+only the run's own process holds the run.
 """
 
 from __future__ import annotations
@@ -23,6 +29,25 @@ from lmforge.errors import UserInputError
 
 log = logging.getLogger(__name__)
 LOCK_NAME = ".lock"
+_HELD: set[int] = set()  # descriptors of the run locks this process holds
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child: let go of the parent's locks without unlocking them (LOCK_UN on a shared
+    open file would release the parent's lock too). dup2 over the descriptor closes the child's
+    reference and leaves a harmless /dev/null under the same number for the file object."""
+    if not _HELD:
+        return
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for fd in _HELD:
+            os.dup2(null, fd, inheritable=False)
+    finally:
+        os.close(null)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 class RunLock:
@@ -51,10 +76,16 @@ class RunLock:
         handle.write(json.dumps(_me()))
         handle.flush()
         self._handle = handle
+        _HELD.add(handle.fileno())
 
     def release(self) -> None:
         if self._handle is None:
             return
+        if self._handle.fileno() not in _HELD:  # a forked child's copy (now /dev/null): not ours to end
+            self._handle.close()
+            self._handle = None
+            return
+        _HELD.discard(self._handle.fileno())
         self._handle.seek(0)
         self._handle.truncate()  # empty: a clean end, nothing to take over
         self._handle.flush()
