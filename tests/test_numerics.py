@@ -10,6 +10,7 @@ import torch
 from transformers import default_data_collator
 
 from lmforge.data.collate import PackedCollator, PaddedCollator
+from lmforge.distributed.devices import cpu_supports_bf16
 from lmforge.train.console_progress import format_step_line
 from lmforge.train.numerics import (
     REAL_TOKENS_KEY,
@@ -80,9 +81,14 @@ def test_flops_per_token_and_mfu_follow_the_palm_formula() -> None:
 
 
 def test_cpu_peak_is_measured_in_the_precision_that_trains() -> None:
-    # This CPU has bf16 units: a bf16 run measured against the fp32 peak showed MFU above 1.
+    # On a CPU with bf16 units a bf16 run measured against the fp32 peak showed MFU above 1; on one
+    # without them bf16 is emulated at ~1 GFLOP/s, 1-2% of fp32, and was measured for 22 s.
     fp32, bf16 = peak_flops(torch.device("cpu"), "fp32"), peak_flops(torch.device("cpu"), "bf16")
-    assert bf16 != fp32 and min(fp32, bf16) > 1e9
+    assert fp32 > 1e9 and bf16 > 1e8, (fp32, bf16)
+    if cpu_supports_bf16():
+        assert bf16 > fp32, (fp32, bf16)
+    else:
+        assert bf16 < fp32 / 4, (fp32, bf16)
 
 
 # Per layer of the tiny Qwen3-MoE below: attention q 64x64, k and v 32x64, o 64x64, q/k norms 16 each,

@@ -102,9 +102,12 @@ def records(run_dir: Path) -> list[dict[str, Any]]:
 
 def test_grpo_with_exact_match_raises_the_mean_reward(tmp_path: Path, task: dict[str, Path]) -> None:
     """40 GRPO steps (8 prompts x 4 completions each) with the default reward, exact match against
-    the reference. The mean reward of the last 10 steps beats the first 10's by at least 0.03, and
-    the reward on every training prompt (4 samples each, measured by TRL's evaluation before and
-    after) rises (measured here: 0.247 -> 0.316 over the steps; 0.272 -> 0.297 on all prompts).
+    the reference. The reward on every training prompt (4 samples each, measured by TRL's evaluation
+    before and after) rises by at least 0.02, and the mean reward of the last 20 steps beats the
+    first 20's. Measured: on an Intel CPU with bf16 units 0.272 -> 0.297 on all prompts (steps 1-10
+    0.247, 31-40 0.316); on an AMD EPYC without them 0.269 -> 0.343 (steps 1-20 0.269, 21-40 0.331).
+    The steps' 32 samples each make a 10-step window's mean noisy (sd ~0.026): a +0.03 margin
+    between the first and last ten held on one CPU and not on the other (0.303 -> 0.319).
     Every RL metric is in metrics.jsonl and TensorBoard under TRL's names, and the sampled
     completions carry their rewards."""
     config = rl_config(tmp_path, task, "grpo", max_steps=40, micro_batch_size=32, lr=1e-3, eval_every=40)
@@ -114,10 +117,10 @@ def test_grpo_with_exact_match_raises_the_mean_reward(tmp_path: Path, task: dict
     rows = [r for r in everything if "loss" in r]
     assert [r["step"] for r in rows] == list(range(1, 41))
     rewards = [r["reward"] for r in rows]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last >= first + 0.03, (first, last)
+    first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
+    assert last > first, (first, last)
     evaluated = {r["step"]: r["eval_reward"] for r in everything if "eval_reward" in r}
-    assert evaluated[40] > evaluated[0], evaluated
+    assert evaluated[40] >= evaluated[0] + 0.02, evaluated
     for name in RL_METRICS:
         assert all(name in r for r in rows), name
     assert all(r["tokens_per_s"] > 0 for r in rows)  # prompt + completion tokens are counted

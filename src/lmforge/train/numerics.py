@@ -290,19 +290,35 @@ def datasheet_peak(device: torch.device) -> float | None:
     return None
 
 
-def measured_matmul_flops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 8) -> float:
-    """Best-of-N matmul throughput on this CPU in `dtype` (measured once per process and dtype,
-    ~0.3 s). The best of several runs is the least disturbed by other work on the machine."""
+def measured_matmul_flops(dtype: torch.dtype = torch.float32, budget_s: float = 0.3) -> float:
+    """Best-of-N matmul throughput on this CPU in `dtype`, measured once per process and dtype in
+    about `budget_s`. The best of several runs is the least disturbed by other work on the machine.
+    The matrices grow from 256 to 1024 while one product is quick: a CPU without bf16 units
+    emulates bf16 at ~1 GFLOP/s, where one 1024 product takes 2.4 s (a fixed size spent 22 s
+    measuring before a bf16 run's first step on such a CPU)."""
     if dtype not in _cpu_peaks:
-        a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-        torch.mm(a, b)  # warm-up
-        best = math.inf
-        for _ in range(repeats):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - start)
+        size = 256
+        while True:
+            best = _best_matmul_seconds(size, dtype, budget_s)
+            if size >= 1024 or best > budget_s / 32:  # large enough to keep the cores busy
+                break
+            size *= 2
         _cpu_peaks[dtype] = 2 * size**3 / best
     return _cpu_peaks[dtype]
+
+
+def _best_matmul_seconds(size: int, dtype: torch.dtype, budget_s: float, repeats: int = 8) -> float:
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)  # warm-up
+    best, spent = math.inf, 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        took = time.perf_counter() - start
+        best, spent = min(best, took), spent + took
+        if spent > budget_s:
+            break
+    return best
 
 
 @dataclass(frozen=True)
