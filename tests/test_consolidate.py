@@ -14,7 +14,6 @@ import pickle
 import shutil
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ from lmforge.export.consolidate import consolidate
 from lmforge.export.inspect import inspect_checkpoint
 from lmforge.models.build import build_model
 from tests.conftest import ROOT, SMALL_ARCH, run_cli
+from tests.forked_cli import FORK_SERVER
 
 SCRIPTS = ROOT / "tests" / "dist_scripts"
 RUNS = {  # name: (script, extra args, tied embeddings)
@@ -63,11 +63,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The four training runs, started together (each is mostly process start-up) and awaited."""
     root = tmp_path_factory.mktemp("consolidate")
     bases = {tied: _save_base(root / f"base-{'tied' if tied else 'untied'}", tied) for tied in (True, False)}
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     started = {}
     for name, (script, extra, tied) in RUNS.items():
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            FORK_SERVER.interpreter(), "-m", "torch.distributed.run", "--nproc_per_node", "2",
             "--master_port", str(_free_port()), str(SCRIPTS / script), str(bases[tied]), str(root / name), *extra,
         ]  # fmt: skip
         log = (root / f"{name}.log").open("w")

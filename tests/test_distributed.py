@@ -67,11 +67,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def torchrun(config: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedProcess[str]:
-    """`lmforge launch` on one node: torchrun's agent, `nproc` workers on gloo."""
+def torchrun(
+    config: Path, *overrides: str, nproc: int = 2, fresh: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """`lmforge launch` on one node: torchrun's agent, `nproc` workers on gloo (`fresh`: new
+    interpreters all the way down, see run_cli)."""
     return run_cli(
         "launch", str(config), *overrides, "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
-        env={"OMP_NUM_THREADS": "1"}, timeout=900,
+        env={"OMP_NUM_THREADS": "1"}, timeout=900, fresh=fresh,
     )  # fmt: skip
 
 
@@ -381,7 +384,8 @@ def test_a_users_deepspeed_json_runs_its_own_schedule_in_bf16_and_final_keeps_mo
     )  # fmt: skip
     config = base_config(tmp_path, corpus, "tutorial", micro_batch=2, deepspeed_config=str(ds_json))
     config["train"] = {**config["train"], "precision": "bf16", "warmup_steps": 4, "save_every": None}
-    result = torchrun(write(tmp_path / "tutorial.yaml", config))
+    # fresh: which upstream notices a run raises depends on the modules it imports itself
+    result = torchrun(write(tmp_path / "tutorial.yaml", config), fresh=True)
     assert result.returncode == 0, result.stderr[-4000:]
     assert (
         "optimizer: DeepSpeed AdamW from your JSON (lr 0.003); lr schedule: DeepSpeed WarmupLR from your "

@@ -26,7 +26,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from transformers import AutoModelForCausalLM
 
 from lmforge.distributed.layout import Layout
 from tests.conftest import ROOT
+from tests.forked_cli import FORK_SERVER
 from tests.test_tensor_parallel import LOSS_RTOL, free_port, load_script
 
 SCRIPT = ROOT / "tests" / "dist_scripts" / "ep_worker.py"
@@ -49,9 +49,14 @@ def _worker() -> Any:
 
 def _run(out: Path, nproc: int) -> list[dict[str, Any]]:
     out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     launcher = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port"]
-    command = [sys.executable, *(launcher + [str(free_port())] if nproc > 1 else []), str(SCRIPT), str(out)]
+    command = [
+        FORK_SERVER.interpreter(),
+        *(launcher + [str(free_port())] if nproc > 1 else []),
+        str(SCRIPT),
+        str(out),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]

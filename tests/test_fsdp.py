@@ -12,7 +12,6 @@ import math
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.conftest import ROOT
+from tests.forked_cli import FORK_SERVER
 
 SCRIPT = ROOT / "tests" / "dist_scripts" / "fsdp_trainer.py"
 pytestmark = (
@@ -37,9 +37,9 @@ def _free_port() -> int:
 
 
 def _torchrun(out: Path, *extra: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+        FORK_SERVER.interpreter(), "-m", "torch.distributed.run", "--nproc_per_node", "2",
         "--master_port", str(_free_port()), str(SCRIPT), str(out), *extra,
     ]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)

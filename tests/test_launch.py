@@ -64,11 +64,14 @@ def launch_cmd(*args: str) -> list[str]:
 
 
 def dry_run(cfg: Path, *args: str) -> list[str]:
-    """The dry-run's command line, split into words (and check nothing ran)."""
+    """The dry-run's command line, split into words (and check nothing ran and that it starts the
+    launcher with the interpreter lmforge runs under)."""
     result = run_cli("launch", str(cfg), *args, "--dry-run", timeout=120)
     assert result.returncode == 0, result.stderr
     assert not (cfg.parent / "runs" / "run").exists()
-    return shlex.split(result.stdout.strip().splitlines()[-1])
+    words = shlex.split(result.stdout.strip().splitlines()[-1])
+    assert words[0] == result.args[0]
+    return words
 
 
 def flags(words: list[str]) -> dict[str, str]:
@@ -83,7 +86,7 @@ def test_dry_run_torchrun_single_node(tmp_path: Path, corpus: Path) -> None:
     result = run_cli("launch", str(cfg), "train.lr=1e-3", "--nproc-per-node", "2", "--dry-run")
     assert result.returncode == 0, result.stderr
     words = shlex.split(result.stdout.strip().splitlines()[-1])
-    assert words[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert words[:3] == [result.args[0], "-m", "torch.distributed.run"]  # the command's own python
     assert words[-5:] == ["-m", "lmforge.cli.main", "train", str(cfg), "train.lr=1e-3"]
     got = flags(words)
     assert got["--nnodes"] == "1" and got["--nproc-per-node"] == "2"
@@ -140,7 +143,7 @@ def test_dry_run_torchrun_elastic(tmp_path: Path, corpus: Path) -> None:
 def test_dry_run_deepspeed(tmp_path: Path, corpus: Path) -> None:
     cfg = write_config(tmp_path, corpus)
     words = dry_run(cfg, "--backend", "deepspeed", "--nproc-per-node", "2")
-    assert words[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"]
+    assert words[1:3] == ["-m", "deepspeed.launcher.runner"]
     got = flags(words)
     assert (got["--num_gpus"], got["--num_nodes"]) == ("2", "1")
     assert got["--master_addr"] == "127.0.0.1"  # and a port free when planned (a port-0 search)

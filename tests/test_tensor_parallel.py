@@ -25,7 +25,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from lmforge.distributed.strategy import engine_arguments, plan_for
 from lmforge.errors import UserInputError
 from lmforge.export.consolidate import consolidate
 from tests.conftest import ROOT, run_cli
+from tests.forked_cli import FORK_SERVER
 
 SCRIPT = ROOT / "tests" / "dist_scripts" / "tp_trainer.py"
 LOSS_RTOL = 5e-6
@@ -68,7 +68,7 @@ def run_scripts(*runs: tuple[Path, int, tuple[str, ...]]) -> None:
     """Run tp_trainer.py as (output dir, processes, its arguments after the dir), started together
     and awaited. Pairing a 1-process run with a 2-process one saved 2 of 19 s on 2 cores; 4
     processes already fill them, so those runs go alone."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     started = []
     for index, (out, nproc, args) in enumerate(runs):
         command = [str(SCRIPT), str(out), *args]
@@ -78,7 +78,7 @@ def run_scripts(*runs: tuple[Path, int, tuple[str, ...]]) -> None:
         log = out.parent / f"{out.name}-{index}.log"
         with log.open("w") as sink:
             process = subprocess.Popen(
-                [sys.executable, *command], env=env, stdout=sink, stderr=subprocess.STDOUT
+                [FORK_SERVER.interpreter(), *command], env=env, stdout=sink, stderr=subprocess.STDOUT
             )
         started.append((process, log))
     for process, log in started:

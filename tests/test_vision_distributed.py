@@ -14,7 +14,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from safetensors.torch import load_file
 from lmforge.export.consolidate import MISSING_PROCESSOR, consolidate
 from lmforge.pipeline.vlm_starter import write_shapes_starter
 from tests.conftest import run_cli
+from tests.forked_cli import FORK_SERVER
 from tests.test_distributed import TOLERANCE, free_port, held_shares, losses
 
 STEPS = 6
@@ -87,7 +87,7 @@ def runs(vlm: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple
     """Each run's directory and console: one process (4 rows a step), and 2 ranks x 2 rows per engine."""
     out = tmp_path_factory.mktemp("runs")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LMFORGE_CACHE": str(out / "cache")}
-    cli = [sys.executable, "-m", "lmforge.cli.main"]
+    cli = [FORK_SERVER.interpreter(), "-m", "lmforge.cli.main"]  # forked where it can be
     commands = {"single": [*cli, "train", str(_config(vlm, out, "single", {"strategy": "none"}, 4))]}
     for name, (distributed, _) in ENGINES.items():
         config = _config(vlm, out, name, distributed, 2)
