@@ -312,6 +312,18 @@ def test_best_checkpoint_by_eval_loss_is_recorded_and_kept(tmp_path: Path, base_
     assert kept == sorted({f"step-{best_step}", "step-6"})  # newest (keep_last=1) plus the best
 
 
+def test_preparing_pairs_prints_the_data_report_without_upstream_bars(
+    tmp_path: Path, base_model: Path
+) -> None:
+    """`lmforge prepare` on preference pairs: the data report and lmforge's own progress, not
+    datasets' "Saving the dataset (1/1 shards)" bars (two per split)."""
+    config = write_config(tmp_path, base_model, "dpo-prep", PREFERENCE, stage="dpo")
+    result = run_cli("prepare", str(config))
+    assert result.returncode == 0, result.stderr
+    assert '"stage": "dpo"' in result.stdout and "data report written to" in result.stdout
+    assert "Saving the dataset" not in result.stdout + result.stderr, result.stderr
+
+
 def test_dpo_run_resumes_exactly_after_a_crash(tmp_path: Path, base_model: Path) -> None:
     """A full-weight DPO run (frozen reference copy) killed after its step-2 checkpoint resumes to
     the same final weights as an uninterrupted run; its eval loss is never called a perplexity."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import datasets
 import numpy as np
 from datasets import Dataset, load_from_disk
 from transformers import PreTrainedTokenizerBase
@@ -145,9 +146,9 @@ class _PreferenceKind:
 
     def save(self, train: list[_Row], evaluation: list[_Row] | None, workdir: Path) -> None:
         with_images = any("images" in row.record for row in [*train, *(evaluation or [])])
-        _records(train, with_images).save_to_disk(str(workdir / "train"))
+        _save_quietly(_records(train, with_images), workdir / "train")
         if evaluation:
-            _records(evaluation, with_images).save_to_disk(str(workdir / "eval"))
+            _save_quietly(_records(evaluation, with_images), workdir / "eval")
 
     def report(self, train: list[_Row], evaluation: list[_Row] | None) -> dict[str, Any]:
         assert self.bad_rows is not None
@@ -162,6 +163,18 @@ class _PreferenceKind:
             "eval_rows_also_in_train": sum(row.key in train_keys for row in evaluation or []),
             "chat_template": self.cfg.chat_template or "tokenizer",
         }
+
+
+def _save_quietly(dataset: Dataset, path: Path) -> None:
+    """`save_to_disk` without datasets' "Saving the dataset (1/1 shards)" bar: the console shows
+    lmforge's own progress for the data stage, and that bar drew two lines per split on it."""
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        dataset.save_to_disk(str(path))
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
 
 
 def _records(rows: list[_Row], with_images: bool) -> Dataset:
