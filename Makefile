@@ -8,6 +8,10 @@ STAMP := $(VENV)/.lmforge-installed
 # A plain `torch` requirement would pull a multi-GB CUDA build; the CPU build is pinned
 # and installed first so nothing else can choose another.
 TORCH_SPEC ?= torch==2.13.0
+# pytest-xdist workers for `make test`: a third of two cores sat idle with one (single-threaded Python
+# between tiny models' steps, waits on subprocesses). Whole files go to a worker (--dist loadfile), so a
+# file's shared runs are made once; each worker computes on its share of the cores (tests/conftest.py).
+TEST_WORKERS ?= 2
 
 .PHONY: install browser demo test test-fast test-integration lint format bench clean
 
@@ -31,10 +35,10 @@ browser:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
 
 test: install browser
-	$(PY) -m pytest -q -m "not gpu and not integration" --durations=40
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not gpu and not integration" --durations=40
 
 test-fast: install
-	$(PY) -m pytest -q -m "not gpu and not slow and not integration"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not gpu and not slow and not integration"
 
 # llama-cpp-python compiles llama.cpp on install (several minutes), so only this target installs it.
 test-integration: install

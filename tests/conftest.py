@@ -11,7 +11,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.forked_cli import FORK_SERVER
+
+def _share_the_cores_between_workers() -> None:
+    """Under pytest-xdist (`make test` runs two workers), each worker, its fork server and the
+    processes they start compute on their share of the cores, as `lmforge launch` gives each worker
+    its share: two PyTorch processes each with threads for every core slow each other ~3x on two
+    cores (the quickstart test went from 218 s to over 600 s). Before the fork server is built from
+    this environment and before torch is imported here; an OMP_NUM_THREADS set by the caller wins."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = str(max(1, len(os.sched_getaffinity(0)) // workers))
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = threads
+
+
+_share_the_cores_between_workers()
+
+from tests.forked_cli import FORK_SERVER, summary  # noqa: E402 - the environment above comes first
 
 ROOT = Path(__file__).resolve().parents[1]
 # A preset narrowed so that each end-to-end training run in the suite takes seconds.
@@ -24,8 +39,25 @@ SMALL_ARCH = {
 }
 
 
+WORKER_COUNTS: list[dict[str, object]] = []  # the fork servers' counts of the xdist workers
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: its counts travel to the controller
+        workeroutput["fork_server"] = FORK_SERVER.counts()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    counts = getattr(node, "workeroutput", {}).get("fork_server")
+    if counts:
+        WORKER_COUNTS.append(counts)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    terminalreporter.write_line(FORK_SERVER.summary())  # a change that sends every command fresh shows here
+    counts = WORKER_COUNTS or [FORK_SERVER.counts()]
+    terminalreporter.write_line(summary(*counts))  # a change that sends every command fresh shows here
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

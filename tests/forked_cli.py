@@ -346,19 +346,33 @@ class ForkServer:
         about pids or killing: the stand-in's pid is not the process's."""
         return self.python if self.enabled else sys.executable
 
-    def summary(self) -> str:
-        fresh = ", ".join(f"{reason} {count}" for reason, count in self.fresh.most_common())
-        line = f"run_cli: {self.forked} commands forked" + (f"; fresh for {fresh}" if fresh else "")
+    def counts(self) -> dict[str, Any]:
+        """How this process's commands ran: forked, or fresh and why; and the processes they started."""
         log = os.path.join(os.path.dirname(self._socket), "nested.log") if self._socket else ""
         nested = collections.Counter(row.split("\t")[0] for row in _read(log))
-        if nested:
-            started = ", ".join(
-                f"{reason} {count}" for reason, count in nested.most_common() if reason != "forked"
-            )
-            line += f"; the processes they started: {nested['forked']} forked" + (
-                f", fresh for {started}" if started else ""
-            )
-        return line
+        return {"forked": self.forked, "fresh": dict(self.fresh), "nested": dict(nested)}
+
+
+def summary(*counts: dict[str, Any]) -> str:
+    """One line for the suite's end from `ForkServer.counts()` of each process that ran tests (the
+    pytest-xdist workers, or pytest itself): a change that sends every command fresh shows here."""
+    forked = sum(part["forked"] for part in counts)
+    fresh: collections.Counter[str] = sum(
+        (collections.Counter(part["fresh"]) for part in counts), collections.Counter()
+    )
+    nested: collections.Counter[str] = sum(
+        (collections.Counter(part["nested"]) for part in counts), collections.Counter()
+    )
+    reasons = ", ".join(f"{reason} {count}" for reason, count in fresh.most_common())
+    line = f"run_cli: {forked} commands forked" + (f"; fresh for {reasons}" if reasons else "")
+    if nested:
+        started = ", ".join(
+            f"{reason} {count}" for reason, count in nested.most_common() if reason != "forked"
+        )
+        line += f"; the processes they started: {nested['forked']} forked" + (
+            f", fresh for {started}" if started else ""
+        )
+    return line
 
 
 @contextlib.contextmanager

@@ -519,6 +519,14 @@ def test_local_mlflow_registry_is_sqlite_and_reads_back_without_file_store_flag(
 
     [row] = list_models(target)
     assert row.name == "pre" and row.versions == ["1"]
+    # The process's own tracking URI is left as it was: set stays set, unset stays unset (the
+    # commands a run starts afterwards inherit the environment).
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "elsewhere").as_uri())
+    list_models(target)
+    assert os.environ["MLFLOW_TRACKING_URI"] == (tmp_path / "elsewhere").as_uri()
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    list_models(target)
+    assert "MLFLOW_TRACKING_URI" not in os.environ
     info = show_version(target, "pre", verify=True)
     assert info.intact and info.integrity.startswith("ok")
     # Weights changed in the artifact store after the push: --verify says which file, exit code 1.

@@ -259,8 +259,12 @@ def test_quickstart_runs_offline_and_says_where_everything_is(tmp_path: Path) ->
     fine-tune reaches on it depends on the order of the pretraining blocks (0.35-0.6 held-out); after
     100 (perplexity ~490) it reaches ~0.8."""
     # fresh: a new user's first command, console and all
+    # A hang guard, not a speed goal: ~220 s on two cores, ~370 s on the one core of a `make test` worker.
     result = run_cli(
-        "quickstart", "--out", str(tmp_path / "qs"), "--steps", "100", "--rl-steps", "10", fresh=True
+        "quickstart",
+        *("--out", str(tmp_path / "qs"), "--steps", "100", "--rl-steps", "10"),
+        fresh=True,
+        timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "qs" / "quickstart.json").read_text())

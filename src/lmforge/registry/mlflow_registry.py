@@ -212,7 +212,10 @@ def mlflow_client(target: MlflowTarget) -> Iterator[Any]:
             from mlflow.tracking import MlflowClient
         except ImportError:
             raise UserInputError("MLflow registries need MLflow: pip install 'lmforge[mlflow]'") from None
-        previous_uri = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
+        # MLflow mirrors its tracking URI into MLFLOW_TRACKING_URI, so the environment is what this
+        # process was configured with; MLflow's module-level copy can be stale (it outlives the
+        # variable), and restoring that copy would leave the variable set for every later process.
+        previous_uri = os.environ.get("MLFLOW_TRACKING_URI") or None
         mlflow.set_tracking_uri(target.uri)
         try:
             yield MlflowClient(tracking_uri=target.uri, registry_uri=target.uri)
