@@ -357,12 +357,11 @@ def summary(*counts: dict[str, Any]) -> str:
     """One line for the suite's end from `ForkServer.counts()` of each process that ran tests (the
     pytest-xdist workers, or pytest itself): a change that sends every command fresh shows here."""
     forked = sum(part["forked"] for part in counts)
-    fresh: collections.Counter[str] = sum(
-        (collections.Counter(part["fresh"]) for part in counts), collections.Counter()
-    )
-    nested: collections.Counter[str] = sum(
-        (collections.Counter(part["nested"]) for part in counts), collections.Counter()
-    )
+    fresh: collections.Counter[str] = collections.Counter()
+    nested: collections.Counter[str] = collections.Counter()
+    for part in counts:
+        fresh.update(part["fresh"])
+        nested.update(part["nested"])
     reasons = ", ".join(f"{reason} {count}" for reason, count in fresh.most_common())
     line = f"run_cli: {forked} commands forked" + (f"; fresh for {reasons}" if reasons else "")
     if nested:
