@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from lmforge.config.schema import ModelConfig, TokenizerTrainConfig
@@ -72,6 +74,32 @@ def test_local_directory_loads_safetensors_with_same_weights(tokenizer, tmp_path
     loaded = build_model(ModelConfig(path=str(tmp_path / "m")), tokenizer, max_length=64)
     for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_a_score_head_on_a_causal_lm_is_one_line_and_a_missing_body_weight_is_named(
+    tokenizer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reward model starts from a causal LM: the new score head is expected and said in one line;
+    a body weight the directory lacks is a warning that names it (it would start random)."""
+    model = build_model(ModelConfig(preset="llama-tiny"), tokenizer, max_length=64)
+    model.save_pretrained(tmp_path / "lm")
+    with caplog.at_level(logging.INFO):
+        build_model(ModelConfig(path=str(tmp_path / "lm")), tokenizer, max_length=64, head="score")
+    ours = [r for r in caplog.records if r.name == "lmforge.models.build"]
+    assert [(r.levelname, r.getMessage()) for r in ours] == [
+        ("INFO", f"model: a new score head (score, one output) on {tmp_path / 'lm'}; this run trains it")
+    ]
+    weights = load_file(str(tmp_path / "lm" / "model.safetensors"))
+    del weights["model.layers.0.mlp.up_proj.weight"]
+    save_file(weights, str(tmp_path / "lm" / "model.safetensors"), metadata={"format": "pt"})
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        build_model(ModelConfig(path=str(tmp_path / "lm")), tokenizer, max_length=64, head="score")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned == [
+        f"model.path: {tmp_path / 'lm'} lacks 1 weight(s) of the model besides its score head "
+        "(model.layers.0.mlp.up_proj.weight): they start random (transformers' load report is in train.log)"
+    ]
 
 
 def test_bin_weights_need_explicit_opt_in(tokenizer, tmp_path: Path) -> None:

@@ -215,13 +215,22 @@ def test_reward_model_logs_pairwise_accuracy_and_margin_and_the_report_charts_th
     tmp_path: Path, base_model: Path
 ) -> None:
     """The rm stage's held-out pairs are measured at each evaluation: the share ranked right rises
-    from chance to nearly all as the model learns that stating the sum beats refusing."""
+    from chance to nearly all as the model learns that stating the sum beats refusing. The console
+    says in one line that the causal LM gets a new score head; transformers' key table for it and
+    TRL's tokenizing bars stay off it (train.log keeps the table)."""
     data = sum_pairs(tmp_path)
     config = write_config(
         tmp_path, base_model, "rm-measured", data, stage="rm", max_steps=24, eval_every=8, lr=3e-3
     )
-    outcome = run_training(load_config(config, ["data.eval_fraction=0.2"]))
-    rows = records(outcome.run_dir)
+    result = run_cli("train", str(config), "data.eval_fraction=0.2")
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "runs" / "rm-measured"
+    console = result.stdout + result.stderr
+    assert "model: a new score head (score, one output)" in console
+    assert "LOAD REPORT" not in console and "MISSING" not in console, console
+    assert "Tokenizing train dataset" not in console and "examples/s" not in console, console
+    assert "LlamaForSequenceClassification LOAD REPORT" in (run_dir / "train.log").read_text()
+    rows = records(run_dir)
     trained = [r for r in rows if "loss" in r]
     assert all(0.0 <= r["accuracy"] <= 1.0 and r["margin"] == r["margin"] for r in trained)
     evals = [r for r in rows if "eval_accuracy" in r]
@@ -230,7 +239,7 @@ def test_reward_model_logs_pairwise_accuracy_and_margin_and_the_report_charts_th
     assert evals[-1]["eval_accuracy"] >= 0.9 and evals[-1]["eval_margin"] > evals[0]["eval_margin"] + 1.0, (
         evals
     )
-    page = write_report(outcome.run_dir).read_text()
+    page = write_report(run_dir).read_text()
     section = page[page.index(RM_TITLE) :]
     assert section.index("eval_accuracy") < section.index("eval_margin") < section.index(">accuracy<")
 
@@ -339,6 +348,8 @@ def test_dpo_run_resumes_exactly_after_a_crash(tmp_path: Path, base_model: Path)
     resumed = run_cli("train", str(crashing))
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stderr and "eval loss (dpo)" in resumed.stdout
+    # TRL tokenizes the pairs lmforge's data stage already checked: its datasets bars stay off.
+    assert "Tokenizing train dataset" not in resumed.stderr and "examples/s" not in resumed.stderr
     run_dir = tmp_path / "runs" / "dpo-crashing"
     rows = records(run_dir)
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]

@@ -15,7 +15,6 @@ import importlib.util
 import inspect
 import io
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Literal
@@ -640,19 +639,6 @@ class _CapturingLoader(importlib.abc.Loader):
         with contextlib.redirect_stdout(printed):
             self.loader.exec_module(module)
         _let_deepspeed_records_propagate(printed.getvalue())
-
-
-@contextlib.contextmanager
-def stderr_to_log(what: str) -> Iterator[None]:
-    """Everything Python writes to stderr inside the block (an upstream library's own tqdm bars, which
-    transformers' and the Hub's switches do not reach) goes to the log at DEBUG instead of the console."""
-    captured = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(captured):
-            yield
-    finally:
-        if captured.getvalue().strip():
-            logging.getLogger(__name__).debug("%s: %s", what, captured.getvalue().strip())
 
 
 def quiet_progress_bars(quiet: bool = True) -> None:

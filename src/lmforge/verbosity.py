@@ -12,11 +12,16 @@ A leaf module: imports no lmforge package.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import re
 import sys
+from collections.abc import Iterator
 from typing import Any, TextIO
+
+log = logging.getLogger(__name__)
 
 VERBOSE_ENV = "LMFORGE_VERBOSE"
 # A record logged with extra={FILE_ONLY: True} is for train.log alone (HF's raw log dicts, which
@@ -168,3 +173,65 @@ def progress_bar(iterable: Any = None, **kwargs: Any) -> Any:
         kwargs.setdefault("mininterval", NON_TERMINAL_REDRAW_SECONDS)
         kwargs.setdefault("maxinterval", NON_TERMINAL_REDRAW_SECONDS)
     return tqdm(iterable, **kwargs)
+
+
+@contextlib.contextmanager
+def stderr_to_log(what: str) -> Iterator[None]:
+    """Everything Python writes to stderr inside the block (an upstream library's own tqdm bars, which
+    transformers' and the Hub's switches do not reach) goes to train.log instead of the console."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            yield
+    finally:
+        if captured.getvalue().strip():
+            log.info("%s: %s", what, captured.getvalue().strip(), extra={FILE_ONLY: True})
+
+
+@contextlib.contextmanager
+def datasets_bars_off() -> Iterator[None]:
+    """No `datasets` progress bars inside the block (its map / filter / save_to_disk bars): where
+    an upstream library prepares data lmforge has already checked and reported, such as TRL's
+    preference trainers tokenizing their pairs ("Tokenizing train dataset", "Dropping fully
+    truncated examples"), two lines per split on the console told the user nothing. --verbose keeps
+    them. Local, not process-wide: lmforge shows a datasets bar of its own where the work is long
+    (rendering a VLM's image pairs)."""
+    import datasets
+
+    was_enabled = datasets.is_progress_bar_enabled()
+    if not is_verbose():
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
+_ANSI_STYLE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class _LoadReportToLog(logging.Filter):
+    """Takes transformers' load report off its logger (and so off the console: that logger prints
+    through a handler of its own) and writes it, unstyled, to train.log only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "LOAD REPORT" not in message:
+            return True
+        log.info("%s", _ANSI_STYLE.sub("", message), extra={FILE_ONLY: True})
+        return False
+
+
+@contextlib.contextmanager
+def load_report_to_log() -> Iterator[None]:
+    """A `from_pretrained(..., output_loading_info=True)` whose caller reads the loading info and says
+    what matters itself: transformers' coloured "<Model> LOAD REPORT" table (a key table and notes,
+    drawn for a reward model's expected new score head) goes to train.log, not the console."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    divert = _LoadReportToLog()
+    logger.addFilter(divert)
+    try:
+        yield
+    finally:
+        logger.removeFilter(divert)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
 from datasets import Dataset, load_from_disk
 from transformers import PreTrainedTokenizerBase
@@ -44,7 +43,7 @@ from lmforge.data.prep import prepare, split_holdout
 from lmforge.data.sft import sft_fingerprint
 from lmforge.data.stats import length_histogram
 from lmforge.errors import UserInputError
-from lmforge.verbosity import progress_bar
+from lmforge.verbosity import datasets_bars_off, progress_bar
 
 if TYPE_CHECKING:
     from lmforge.data.vision_tokens import ImageTokens
@@ -168,13 +167,8 @@ class _PreferenceKind:
 def _save_quietly(dataset: Dataset, path: Path) -> None:
     """`save_to_disk` without datasets' "Saving the dataset (1/1 shards)" bar: the console shows
     lmforge's own progress for the data stage, and that bar drew two lines per split on it."""
-    was_enabled = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
+    with datasets_bars_off():
         dataset.save_to_disk(str(path))
-    finally:
-        if was_enabled:
-            datasets.enable_progress_bars()
 
 
 def _records(rows: list[_Row], with_images: bool) -> Dataset:

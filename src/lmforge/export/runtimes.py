@@ -109,7 +109,7 @@ def load_reference(path: Path) -> tuple[Artifact, PreTrainedTokenizerBase]:
     """The reference model (HF directory, adapter or a run's final/) in transformers, and its tokenizer."""
     from lmforge.evaluate.loading import load_for_inference
     from lmforge.models.vision import is_vision_config
-    from lmforge.upstream import stderr_to_log
+    from lmforge.verbosity import stderr_to_log
 
     compressed = _compressed_bits(path) is not None
     with stderr_to_log("compressed-tensors") if compressed else contextlib.nullcontext():

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 from lmforge.errors import UserInputError
 from lmforge.export.conversion import Conversion
 from lmforge.export.to_safetensors import SIDE_FILES, check_output
-from lmforge.upstream import route_deepspeed_logs, stderr_to_log
+from lmforge.upstream import route_deepspeed_logs
+from lmforge.verbosity import stderr_to_log
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

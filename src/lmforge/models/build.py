@@ -7,6 +7,7 @@ and transformers then reads them with weights_only (never full unpickling).
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from lmforge.errors import UserInputError
 from lmforge.models.methods import Head
 from lmforge.models.moe import apply_router_settings
 from lmforge.models.presets import POSITION_KEYS, preset_kwargs
+from lmforge.verbosity import load_report_to_log
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +168,8 @@ def _load_pretrained(cfg: ModelConfig, auto: Any, quantization: BitsAndBytesConf
                 source, trust_remote_code=cfg.trust_remote_code, **labels
             )
             apply_router_settings(extra["config"], cfg.moe)
-        return auto.from_pretrained(
+        load = functools.partial(
+            auto.from_pretrained,
             source,
             **extra,
             dtype=DTYPES[cfg.dtype],
@@ -174,8 +177,34 @@ def _load_pretrained(cfg: ModelConfig, auto: Any, quantization: BitsAndBytesConf
             trust_remote_code=cfg.trust_remote_code,
             use_safetensors=None if cfg.allow_bin_weights else True,
         )
+        if auto is not AutoModelForSequenceClassification:
+            return load()
+        with load_report_to_log():
+            model, info = load(output_loading_info=True)
     except OSError as err:
         raise UserInputError(f"model.path: cannot load {cfg.path!r}: {err}") from None
+    _say_what_the_score_head_load_left(model, info, cfg.path)
+    return model
+
+
+def _say_what_the_score_head_load_left(model: PreTrainedModel, info: dict[str, Any], path: Any) -> None:
+    """A reward model usually starts from a causal LM, whose weights hold no score head: one line for
+    that expected case, a warning naming any other weight the directory lacks (those start random)."""
+    body = model.base_model_prefix
+    head = sorted(name for name, _ in model.named_children() if name != body)
+    missing = sorted(info["missing_keys"])
+    not_head = [key for key in missing if key.split(".", 1)[0] not in head]
+    if not_head:
+        shown = ", ".join(not_head[:3]) + (f" and {len(not_head) - 3} more" if len(not_head) > 3 else "")
+        log.warning(
+            "model.path: %s lacks %d weight(s) of the model besides its score head (%s): they start "
+            "random (transformers' load report is in train.log)",
+            path,
+            len(not_head),
+            shown,
+        )
+    if len(missing) > len(not_head):
+        log.info("model: a new score head (%s, one output) on %s; this run trains it", ", ".join(head), path)
 
 
 def _special_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmforge.errors import UserInputError
+from lmforge.verbosity import load_report_to_log
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -102,9 +103,13 @@ def _load_reward_model(index: int, path: str) -> Any:
     if not Path(path).expanduser().is_dir():
         raise UserInputError(f"{key}: {path!r} is not a directory. {fix}")
     try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            Path(path).expanduser(), use_safetensors=True, trust_remote_code=False, output_loading_info=True
-        )
+        with load_report_to_log():  # the missing head gets lmforge's own error below
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                Path(path).expanduser(),
+                use_safetensors=True,
+                trust_remote_code=False,
+                output_loading_info=True,
+            )
     except (OSError, ValueError, KeyError, TypeError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UserInputError(

@@ -32,6 +32,7 @@ from lmforge.train.stages.distill import distill_stage
 from lmforge.train.stages.online_rl import online_rl_stage, resolved_rl_settings
 from lmforge.train.stages.preference import PREFERENCE_STAGES
 from lmforge.train.step import TrainStep
+from lmforge.verbosity import datasets_bars_off
 
 __all__ = ["build_stage_trainer", "needs_reference_model"]
 
@@ -103,19 +104,22 @@ def build_stage_trainer(
         record_rl_settings(resolved_rl_settings(args, cfg.train), paths)
     extra: dict[str, Any] = {"ref_model": reference} if stage.takes_reference else {}
     extra.update(stage.extra)
-    return with_stage_trainer(stage.trainer)(
-        model=model,
-        args=args,
-        train_dataset=data.train,
-        eval_dataset=evaluation,
-        # dpo's image pairs are batched by TRL with the processor; every other TRL stage gets text.
-        processing_class=data.processor
-        if data.processor is not None and spec.offline_preference
-        else tokenizer,
-        callbacks=callbacks,
-        **extra,
-        **adapter,
-    )
+    # TRL's preference trainers tokenize and filter the pairs lmforge's data stage already checked,
+    # counted and reported (data_report.json): their datasets bars stay off the console.
+    with datasets_bars_off():
+        return with_stage_trainer(stage.trainer)(
+            model=model,
+            args=args,
+            train_dataset=data.train,
+            eval_dataset=evaluation,
+            # dpo's image pairs are batched by TRL with the processor; every other TRL stage gets text.
+            processing_class=data.processor
+            if data.processor is not None and spec.offline_preference
+            else tokenizer,
+            callbacks=callbacks,
+            **extra,
+            **adapter,
+        )
 
 
 def _trl_stage(
