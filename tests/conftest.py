@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,30 @@ def reseal(checkpoint: Path) -> None:
 
 # A small vocabulary: tiny models learn it within a few steps, so loss curves move visibly.
 WORDS = "the cat sat on a mat while one dog ran to the big red barn and two birds sang".split()  # noqa: SIM905
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The hub's endpoint a closed local port (no proxy, HF_HUB_OFFLINE unset): a lookup fails at once,
+    whether or not the machine has a network."""
+    import huggingface_hub
+
+    from lmforge.config.hub_names import hub_unreachable_reason
+
+    for variable in (
+        "HF_HUB_OFFLINE",
+        "HTTPS_PROXY",
+        "https_proxy",
+        "HTTP_PROXY",
+        "http_proxy",
+        "ALL_PROXY",
+        "all_proxy",
+    ):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens
+    hub_unreachable_reason.cache_clear()
+    yield
+    hub_unreachable_reason.cache_clear()
 
 
 @pytest.fixture(scope="module")

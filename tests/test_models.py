@@ -102,6 +102,17 @@ def test_a_score_head_on_a_causal_lm_is_one_line_and_a_missing_body_weight_is_na
     ]
 
 
+@pytest.mark.usefixtures("unreachable_hub")
+def test_a_model_path_not_made_yet_fails_at_once_without_a_hub(
+    tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        UserInputError, match=r"^model.path: 'runs/sft' is no local directory .*Connection refused"
+    ):
+        build_model(ModelConfig(path="runs/sft"), tokenizer, max_length=64)
+
+
 def test_bin_weights_need_explicit_opt_in(tokenizer, tmp_path: Path) -> None:
     model = build_model(ModelConfig(preset="llama-tiny"), tokenizer, max_length=64)
     model.config.save_pretrained(tmp_path / "legacy")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from lmforge.config.hub_names import hub_unreachable_reason
 from lmforge.config.schema import TokenizerTrainConfig
 from lmforge.data.tokenizer import (
     CHATML_TEMPLATE,
@@ -116,6 +118,31 @@ def test_missing_local_tokenizer_names_the_path_and_fix(tmp_path: Path) -> None:
         UserInputError, match=r"holds no tokenizer.json or tokenizer_config.json.*save_pretrained"
     ):
         load_tokenizer(str(empty))
+
+
+@pytest.mark.usefixtures("unreachable_hub")
+def test_a_missing_relative_directory_is_not_looked_up_on_an_unreachable_hub(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`runs/calc-tokenizer` before the step that makes it: also a valid hub id, but with no way to the
+    hub the error comes at once (transformers retried 5 times per file, ~45 s and 24 warnings)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserInputError) as raised, caplog.at_level(logging.WARNING):
+        load_tokenizer("runs/calc-tokenizer", key="model.path")
+    assert str(raised.value) == (
+        f"model.path: 'runs/calc-tokenizer' is no local directory ({tmp_path}/runs/calc-tokenizer does "
+        "not exist), and as a hub id it cannot be looked up: the Hugging Face hub (127.0.0.1) cannot be "
+        "reached (Connection refused). Fix: make that directory first (a previous step's run), point "
+        "tokenizer.path (or model.path) at one with tokenizer.json, or set tokenizer.train to train one."
+    )
+    assert not [r for r in caplog.records if r.name.startswith("huggingface_hub")]  # no retries
+    hub_unreachable_reason.cache_clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert hub_unreachable_reason() == "HF_HUB_OFFLINE is set"
+    hub_unreachable_reason.cache_clear()
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")
+    assert hub_unreachable_reason() is None  # through a proxy: left to the hub client
 
 
 def test_batch_encoder_never_truncates_and_leaves_the_tokenizer_alone(

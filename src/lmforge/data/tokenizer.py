@@ -11,13 +11,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from lmforge.config.hub_names import is_hub_id, not_here_and_no_hub
 from lmforge.config.schema import TokenizerTrainConfig
 from lmforge.data.encoding import BatchEncoder, rust_encoder
 from lmforge.errors import UserInputError
@@ -44,9 +44,6 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-# A hub id is `name` or `org/name`; anything else (absolute, ./, ~) is a local path.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 def _limit_chars(texts: Iterable[str], max_chars: int) -> Iterator[str]:
@@ -94,11 +91,9 @@ def train_tokenizer(texts: Iterable[str], cfg: TokenizerTrainConfig) -> PreTrain
     return tokenizer
 
 
-def _looks_local(path: str) -> bool:
-    return Path(path).expanduser().exists() or not _HUB_ID.match(path)
-
-
-def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    path: str, trust_remote_code: bool = False, *, key: str = "tokenizer.path"
+) -> PreTrainedTokenizerBase:
     """Load a tokenizer from a local HF directory, or from the hub when `path` is a hub id.
 
     Local files are tried first; the network is used only for a hub id not found locally.
@@ -108,7 +103,15 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
         return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         local_error = err
-    if not _looks_local(path):
+    if is_hub_id(path):
+        offline = not_here_and_no_hub(
+            key,
+            path,
+            "make that directory first (a previous step's run), point tokenizer.path "
+            "(or model.path) at one with tokenizer.json, or set tokenizer.train to train one.",
+        )
+        if offline:
+            raise UserInputError(offline)
         try:
             return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as err:

@@ -34,7 +34,8 @@ def obtain_tokenizer(cfg: LmforgeConfig, paths: RunPaths, cache_dir: Path) -> Pr
         return tokenizer
     path = cfg.tokenizer.path or cfg.model.path
     assert path is not None  # LmforgeConfig guarantees one source
-    tokenizer = load_tokenizer(path, trust_remote_code=cfg.model.trust_remote_code)
+    key = "tokenizer.path" if cfg.tokenizer.path else "model.path"
+    tokenizer = load_tokenizer(path, trust_remote_code=cfg.model.trust_remote_code, key=key)
     ensure_pad_token(tokenizer)  # every collator pads; checked here, before data or model work
     _with_preset_image_tokens(cfg, tokenizer)
     return tokenizer

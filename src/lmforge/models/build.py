@@ -23,6 +23,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from lmforge.config.hub_names import not_here_and_no_hub
 from lmforge.config.model_kind import VISION_PRESET_NAMES, vision_model_type
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import UserInputError
@@ -150,6 +151,14 @@ def _load_pretrained(cfg: ModelConfig, auto: Any, quantization: BitsAndBytesConf
     path = Path(cfg.path or "")
     if path.exists() and not (path / "config.json").is_file():
         raise UserInputError(f"model.path: {path} has no config.json; point it at a HF model directory")
+    offline = not_here_and_no_hub(
+        "model.path",
+        str(cfg.path),
+        "make that directory first (a previous step's run), or point model.path at "
+        "a HF model directory (config.json and safetensors weights).",
+    )
+    if offline:
+        raise UserInputError(offline)
     only_bin = path.is_dir() and not any(path.glob("*.safetensors")) and any(path.glob("*.bin"))
     if only_bin and not cfg.allow_bin_weights:
         raise UserInputError(

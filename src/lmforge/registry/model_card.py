@@ -14,10 +14,10 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from lmforge.config.hub_names import is_hub_id
 from lmforge.registry.lineage import LINEAGE_NAME
 
 _MLFLOW_URI = re.compile(r"^(runs|models):/")
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
 def render_model_card(lineage: dict[str, Any], *, load_from: str) -> str:
@@ -62,7 +62,7 @@ def card_data(lineage: dict[str, Any]) -> ModelCardData:
 
 def _is_hub_id(name: Any) -> bool:
     """A Hub model id (owner/name), not a local path: only those are valid `base_model` metadata."""
-    return isinstance(name, str) and bool(_HUB_ID.match(name)) and not Path(name).exists()
+    return isinstance(name, str) and is_hub_id(name)
 
 
 def _base_license(base: Any) -> str | None:
