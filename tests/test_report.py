@@ -397,17 +397,36 @@ def test_strategy_line_is_the_engine_the_manifest_recorded(
     assert f"<th>strategy</th><td>{expected}</td>" in page
 
 
-def test_rl_and_moe_metrics_get_their_sections_only_when_recorded(tmp_path: Path) -> None:
-    plain = write_report(build_run(tmp_path, name="plain")).read_text()
-    assert "<h2>Reinforcement learning</h2>" not in plain and "<h2>Mixture of experts</h2>" not in plain
-    run = build_run(tmp_path, name="rl-moe")
+def with_stage(run: Path, stage: str, **metrics: float) -> Path:
+    """`run` as a `stage` run whose every step recorded `metrics` (TRL's names; "/" as "__")."""
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["train"]["stage"] = stage
+    config["data"].pop("packing")
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     for record in records:
-        record.update({"reward": 0.1 * record["step"], "kl": 0.01, "rewards/exact_match/mean": 0.5})
-        record.update({"moe_load_imbalance": 1.2, "aux_loss": 0.03})
+        record.update({key.replace("__", "/"): value for key, value in metrics.items()})
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    page = write_report(run).read_text()
+    return run
+
+
+def test_each_stage_family_gets_its_section_under_its_own_title_only_when_recorded(tmp_path: Path) -> None:
+    """GRPO's and DPO's metrics share TRL's `rewards/` prefix: each goes under its stage's title."""
+    plain = write_report(build_run(tmp_path, name="plain")).read_text()
+    assert "<h2>Reinforcement learning</h2>" not in plain and "<h2>Mixture of experts</h2>" not in plain
+    assert "<h2>Preference optimisation" not in plain
+    rl_moe = build_run(tmp_path, name="rl-moe")
+    moe = {"moe_load_imbalance": 1.2, "aux_loss": 0.03}
+    page = write_report(
+        with_stage(rl_moe, "grpo", reward=0.1, kl=0.01, rewards__exact_match__mean=0.5, **moe)
+    ).read_text()
     rl = page.split("<h2>Reinforcement learning</h2>")[1].split("<h2>")[0]
-    moe = page.split("<h2>Mixture of experts</h2>")[1].split("<h2>")[0]
+    moe_section = page.split("<h2>Mixture of experts</h2>")[1].split("<h2>")[0]
     assert set(re.findall(r'data-metric="stage_([^"]+)"', rl)) == {"kl", "reward", "rewards/exact_match/mean"}
-    assert set(re.findall(r'data-metric="stage_([^"]+)"', moe)) == {"aux_loss", "moe_load_imbalance"}
+    assert set(re.findall(r'data-metric="stage_([^"]+)"', moe_section)) == {"aux_loss", "moe_load_imbalance"}
+    dpo = {"rewards__chosen": 0.2, "rewards__margins": 0.3, "rewards__accuracies": 0.7, "logps__chosen": -9.0}
+    page = write_report(with_stage(build_run(tmp_path, name="dpo"), "dpo", **dpo)).read_text()
+    assert "<h2>Reinforcement learning</h2>" not in page
+    section = page.split("<h2>Preference optimisation: pair accuracy, margin and implicit rewards</h2>")[1]
+    charted = re.findall(r'data-metric="stage_([^"]+)"', section.split("<h2>")[0])
+    assert charted == ["rewards/accuracies", "rewards/margins", "rewards/chosen", "logps/chosen"]

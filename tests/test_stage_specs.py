@@ -14,6 +14,7 @@ from lmforge.config import LmforgeConfig
 from lmforge.config.schema import DpoConfig, TrainConfig
 from lmforge.config.stages import (
     DISTILL_METRIC_PREFIXES,
+    PREFERENCE_METRIC_PREFIXES,
     RL_METRIC_PREFIXES,
     RM_METRIC_PREFIXES,
     STAGE_SPECS,
@@ -57,7 +58,8 @@ def test_a_spec_names_a_trainer_and_its_arguments_class(stage: str) -> None:
 def test_the_spec_table_agrees_with_what_each_stage_is() -> None:
     """Online RL never gets the loss-spike rule and always the RL guard and its metrics; only the
     language-model stages have a token-level next-token loss; only rm has a score head (and its
-    pairwise metrics); the on-policy stages (online RL, distillation) read prompts, and only
+    pairwise metrics); the preference stages with a reference (dpo, kto) keep TRL's implicit rewards;
+    the on-policy stages (online RL, distillation) read prompts, and only
     distillation loads a teacher (and logs TRL's distillation metrics)."""
     for spec in STAGE_SPECS.values():
         assert "nonfinite" in spec.guardrails
@@ -70,6 +72,8 @@ def test_the_spec_table_agrees_with_what_each_stage_is() -> None:
             if spec.head == "score"
             else DISTILL_METRIC_PREFIXES
             if spec.teacher
+            else PREFERENCE_METRIC_PREFIXES
+            if spec.reference == "in_memory"
             else ()
         )
         assert spec.metric_prefixes == own

@@ -4,6 +4,8 @@ libraries their users use (transformers, peft)."""
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +187,8 @@ def test_preference_stages_train_and_save_loadable_models(
     rows = [r for r in records(outcome.run_dir) if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["tokens_per_s"] > 0 and r["loss"] == r["loss"] for r in rows)  # counted, finite
+    if stage != "rm":  # every variant's implicit-reward margin, as TRL logs it (rm: accuracy, margin)
+        assert all(math.isfinite(r["rewards/margins"]) for r in rows), rows[-1]
     report = json.loads((outcome.run_dir / "data_report.json").read_text())
     assert report["stage"] == stage and report["train"]["rows"] > 0
     auto = AutoModelForSequenceClassification if stage == "rm" else AutoModelForCausalLM
@@ -250,9 +254,14 @@ def test_dpo_loss_falls_on_a_small_preference_set(tmp_path: Path, base_model: Pa
     outcome = run_training(
         load_config(write_config(tmp_path, base_model, "dpo-long", data, stage="dpo", max_steps=30, lr=3e-3))
     )
-    losses = [r["loss"] for r in records(outcome.run_dir) if "loss" in r]
+    rows = [r for r in records(outcome.run_dir) if "loss" in r]
+    losses = [r["loss"] for r in rows]
     assert losses[0] == pytest.approx(0.6931, abs=0.01)  # policy == reference at the start
     assert sum(losses[-5:]) / 5 < 0.3, losses
+    # What a DPO user reads to see it learn, kept from TRL's logs: pairs ranked right, and by how much.
+    assert rows[0]["rewards/margins"] == 0.0 and rows[0]["rewards/accuracies"] == 0.0
+    assert min(r["rewards/accuracies"] for r in rows[-5:]) == 1.0
+    assert sum(r["rewards/margins"] for r in rows[-5:]) / 5 > 1.0, [r["rewards/margins"] for r in rows]
 
 
 @pytest.mark.skipif(
@@ -350,6 +359,7 @@ def test_dpo_run_resumes_exactly_after_a_crash(tmp_path: Path, base_model: Path)
     assert "resuming from" in resumed.stderr and "eval loss (dpo)" in resumed.stdout
     # TRL tokenizes the pairs lmforge's data stage already checked: its datasets bars stay off.
     assert "Tokenizing train dataset" not in resumed.stderr and "examples/s" not in resumed.stderr
+    assert re.search(r"eval at step 4:  loss \S+  pair acc \S+  margin \S+", resumed.stderr), resumed.stderr
     run_dir = tmp_path / "runs" / "dpo-crashing"
     rows = records(run_dir)
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]

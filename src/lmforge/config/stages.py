@@ -45,6 +45,12 @@ Reference = Literal["none", "in_memory", "on_disk"]
 # A reward model's pairwise figures as TRL's RewardTrainer logs them (train and eval_): the share of
 # pairs whose chosen answer scores above the rejected one, the mean score difference, the scores.
 RM_METRIC_PREFIXES = ("accuracy", "margin", "mean_reward", "min_reward", "max_reward")
+# Offline preference optimisation's figures as TRL's DPO / KTO (and ORPO / CPO for train.dpo.loss
+# orpo / simpo) trainers log them: the implicit rewards of the chosen and rejected answers (beta times
+# the policy's log-probability ratio to the reference), the share of pairs ranked right and the mean
+# margin, the answers' summed log-probabilities and mean logits, KTO's KL estimate, ORPO's odds ratio
+# and the SFT term's loss. Whether DPO learns is read from rewards/accuracies and rewards/margins.
+PREFERENCE_METRIC_PREFIXES = ("rewards/", "logps/", "logits/", "kl", "nll_loss", "log_odds")
 # On-policy distillation's own figures as TRL's DistillationTrainer logs them: the student's token entropy
 # and its completions' lengths and clipped share.
 DISTILL_METRIC_PREFIXES = ("entropy", "completions/")
@@ -197,8 +203,22 @@ STAGE_SPECS: dict[str, StageSpec] = {
         _language_model("sft", "chat", eval_rows_answer=True),
         # dpo's default class; train.dpo.loss orpo / simpo select TRL's ORPO / CPO trainers and
         # run without a reference (train/stages/preference.py).
-        _preference("dpo", "pairs", "in_memory", "trl:DPOTrainer", "trl:DPOConfig"),
-        _preference("kto", "labelled", "in_memory", "trl:KTOTrainer", "trl:KTOConfig"),
+        _preference(
+            "dpo",
+            "pairs",
+            "in_memory",
+            "trl:DPOTrainer",
+            "trl:DPOConfig",
+            metric_prefixes=PREFERENCE_METRIC_PREFIXES,
+        ),
+        _preference(
+            "kto",
+            "labelled",
+            "in_memory",
+            "trl:KTOTrainer",
+            "trl:KTOConfig",
+            metric_prefixes=PREFERENCE_METRIC_PREFIXES,
+        ),
         _preference(
             "rm",
             "pairs",

@@ -1,9 +1,13 @@
 """The report's sections for metrics that only some stages record: online RL (reward, KL,
-entropy, completion lengths, clip fractions; TRL's GRPO / RLOO names), a reward model's pairwise
-accuracy and margin (TRL's RewardTrainer), and Mixture-of-Experts (router losses, expert load). A run whose metrics.jsonl holds none of them shows neither.
+entropy, completion lengths, clip fractions; TRL's GRPO / RLOO names), offline preference
+optimisation (DPO / KTO implicit rewards, pair accuracy and margin, log-probabilities), a reward
+model's pairwise accuracy and margin (TRL's RewardTrainer), on-policy distillation (the student's
+entropy and answer lengths), and Mixture-of-Experts (router losses, expert load). A run whose
+metrics.jsonl holds none of them shows none.
 
-The families are matched by key prefix, so a stage that logs a new metric of its family is
-charted without a change here.
+The stage's own family is the run's stage spec's metric prefixes (config/stages.py: the names
+lmforge keeps from the trainer's logs), so GRPO's and DPO's `rewards/...` land under their own
+titles; a stage that logs a new metric of its family is charted without a change here.
 """
 
 from __future__ import annotations
@@ -12,22 +16,27 @@ from fnmatch import fnmatchcase
 
 import numpy as np
 
-from lmforge.config.stages import RL_METRIC_PREFIXES, RM_METRIC_PREFIXES
+from lmforge.config.stages import RM_METRIC_PREFIXES, STAGE_SPECS
 from lmforge.report.html import esc
 from lmforge.report.load import RunSummary
 from lmforge.report.moe_section import expert_load_section
 from lmforge.report.plots import PALETTE, Chart, Line, render_chart
 
 MOE_TITLE = "Mixture of experts"
+MOE_PREFIXES = ("moe_", "aux_loss", "router_", "expert_")
 RL_TITLE = "Reinforcement learning"
 RM_TITLE = "Reward model: pairwise accuracy and margin"
-# (section title, key prefixes); a key belongs to the first family whose prefix it starts with.
-# The per-layer, per-expert counts (moe/layer{i}/...) are tables after the MoE charts, not charts.
-FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (RL_TITLE, RL_METRIC_PREFIXES),
-    (RM_TITLE, RM_METRIC_PREFIXES),
-    (MOE_TITLE, ("moe_", "aux_loss", "router_", "expert_")),
-)
+PREFERENCE_TITLE = "Preference optimisation: pair accuracy, margin and implicit rewards"
+DISTILL_TITLE = "Distillation: the student's answers"
+# The stage families' titles, by train.stage.
+STAGE_TITLES = {
+    "grpo": RL_TITLE,
+    "rloo": RL_TITLE,
+    "dpo": PREFERENCE_TITLE,
+    "kto": PREFERENCE_TITLE,
+    "rm": RM_TITLE,
+    "distill": DISTILL_TITLE,
+}
 MAX_CHARTS = 16  # per family: a page stays readable whatever a stage logs
 # The RL charts in the order a reader asks: is the reward rising (total, then each reward), is it
 # still learning (spread, groups without signal), how far from the start (KL, entropy), then the
@@ -67,16 +76,30 @@ def rl_chart_order(run: RunSummary, keys: list[str]) -> list[str]:
     return sorted(keys, key=rank)
 
 
-def rm_chart_order(keys: list[str]) -> list[str]:
-    """The held-out pairs' figures first (whether the model ranks pairs it never saw), each in
-    RM_METRIC_PREFIXES' order: accuracy, margin, then the scores."""
+# The pairwise charts in the order a reader asks: are pairs ranked right, by how much, then the
+# parts of that margin (each answer's implicit reward), the KL estimate, then the raw log-probabilities.
+RM_ORDER = tuple(f"{prefix}*" for prefix in RM_METRIC_PREFIXES)
+PREFERENCE_ORDER = (
+    "rewards/accuracies",
+    "rewards/margins",
+    "rewards/chosen*",
+    "rewards/rejected*",
+    "kl",
+    "log_odds*",
+    "nll_loss",
+    "logps/*",
+    "logits/*",
+)
 
-    def rank(key: str) -> tuple[bool, int]:
+
+def held_out_first(keys: list[str], order: tuple[str, ...]) -> list[str]:
+    """The held-out pairs' figures first (whether the model ranks pairs it never saw), each group in
+    `order` (fnmatch patterns; a name matching none comes after them)."""
+
+    def rank(key: str) -> tuple[bool, int, str]:
         name = key.removeprefix("eval_")
-        return (
-            not key.startswith("eval_"),
-            next(i for i, p in enumerate(RM_METRIC_PREFIXES) if name.startswith(p)),
-        )
+        place = next((i for i, pattern in enumerate(order) if fnmatchcase(name, pattern)), len(order))
+        return (not key.startswith("eval_"), place, name)
 
     return sorted(keys, key=rank)
 
@@ -86,15 +109,29 @@ def _flat(run: RunSummary, key: str) -> bool:
     return len(values) > 1 and bool(np.all(values == values[0]))
 
 
+def _families(run: RunSummary) -> list[tuple[str, list[str]]]:
+    """(title, chart keys in reading order) of the run's stage family, then Mixture-of-Experts."""
+    families = []
+    spec = STAGE_SPECS.get(run.stage)
+    if spec is not None and spec.metric_prefixes:
+        keys = stage_metric_keys(run, spec.metric_prefixes)
+        title = STAGE_TITLES[run.stage]
+        if title == RL_TITLE:
+            keys = rl_chart_order(run, keys)
+        elif title == RM_TITLE:
+            keys = held_out_first(keys, RM_ORDER)
+        elif title == PREFERENCE_TITLE:
+            keys = held_out_first(keys, PREFERENCE_ORDER)
+        families.append((title, keys))
+    taken = {key for _, keys in families for key in keys}
+    families.append((MOE_TITLE, [key for key in stage_metric_keys(run, MOE_PREFIXES) if key not in taken]))
+    return families
+
+
 def stage_metrics_sections(run: RunSummary) -> str:
     """One <h2> section per family the run recorded, with one chart per metric; "" for none."""
     parts = []
-    for title, prefixes in FAMILIES:
-        keys = stage_metric_keys(run, prefixes)
-        if title == RL_TITLE:
-            keys = rl_chart_order(run, keys)
-        if title == RM_TITLE:
-            keys = rm_chart_order(keys)
+    for title, keys in _families(run):
         tables = expert_load_section(run) if title == MOE_TITLE else ""
         if not keys and not tables:
             continue

@@ -33,11 +33,19 @@ STEP_FIELDS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
     # Online RL (TRL's names): the mean total reward and KL to the reference.
     ("reward", "reward", lambda v: f"{v:.3f}"),
     ("kl", "kl", lambda v: f"{v:.3g}"),
+    # Offline preference (TRL's DPO / ORPO names): the share of pairs ranked right, the mean margin.
+    ("rewards/accuracies", "pair acc", lambda v: f"{v:.2f}"),
+    ("rewards/margins", "margin", lambda v: f"{v:.3g}"),
     ("tokens_per_s", "tok/s", lambda v: f"{v:,.0f}"),
     ("mfu", "MFU", lambda v: f"{v:.1%}"),
 )
 # Eval keys shown with their own label; the other eval_* numbers follow under their names.
-EVAL_LABELS = {"eval_loss": "loss", "eval_ppl": "ppl"}
+EVAL_LABELS = {
+    "eval_loss": "loss",
+    "eval_ppl": "ppl",
+    "eval_rewards/accuracies": "pair acc",
+    "eval_rewards/margins": "margin",
+}
 EVAL_HIDDEN = {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second"}
 
 
@@ -59,8 +67,8 @@ def format_eval_line(record: dict[str, Any], step: int) -> str:
     for key, value in record.items():
         if not key.startswith("eval_") or key in EVAL_HIDDEN or not isinstance(value, int | float):
             continue
-        if "/" in key:  # a family's detail (online RL's per-reward and length figures): metrics.jsonl
-            continue
+        if "/" in key and key not in EVAL_LABELS:  # a family's detail (online RL's per-reward and
+            continue  # length figures, DPO's log-probabilities): metrics.jsonl
         label = EVAL_LABELS.get(key, key.removeprefix("eval_"))
         parts.append(f"{label} {value:.4g}")
     return "  ".join(parts)
