@@ -20,7 +20,7 @@ from transformers.optimization import get_scheduler
 from lmforge.config import load_config
 from lmforge.errors import UserInputError
 from lmforge.run_layout import RunPaths
-from lmforge.train.arguments import build_training_arguments
+from lmforge.train.arguments import build_training_arguments, warmup_outlasting_the_run
 from lmforge.train.optimizers import wsd_scheduler_kwargs
 from lmforge.train.preflight import check_recipe_runs_here
 from tests.conftest import SMALL_ARCH, run_cli
@@ -212,9 +212,36 @@ def test_warmup_stable_decay_holds_the_peak_then_decays_over_the_last_share(tmp_
     assert rates[90] < 0.6 and rates[-1] == pytest.approx(0.05, abs=0.01)  # the last 20 steps decay
 
 
+def test_a_constant_schedule_warms_up_first(tmp_path: Path) -> None:
+    """HF's "constant" scheduler skips warmup_steps; lmforge's constant warms up, then holds."""
+    rates = _lrs(tmp_path, ["train.schedule=constant", "train.warmup_steps=10"], steps=30)
+    assert rates[:11] == pytest.approx([i / 10 for i in range(11)]) and rates[10:] == [1.0] * 20
+    assert _lrs(tmp_path, ["train.schedule=constant"], steps=5) == [1.0] * 5
+
+
 def test_warmup_ratio_is_a_share_of_all_steps(tmp_path: Path) -> None:
     rates = _lrs(tmp_path, ["train.schedule=linear", "train.warmup_ratio=0.25"], steps=40)
     assert rates[:11] == pytest.approx([i / 10 for i in range(11)])  # 25% of 40 = 10 warmup steps
+
+
+def test_a_warmup_longer_than_the_run_is_warned_with_the_peak_it_reaches(tmp_path: Path) -> None:
+    """A sweep's warmup_steps 50 beside max_steps 20: the rate never reaches train.lr, and the start
+    banner's warning says how far it gets."""
+    rates = _lrs(tmp_path, ["train.schedule=constant", "train.warmup_steps=50"], steps=20)
+    assert max(rates) == pytest.approx(19 / 50)
+    cfg = load_config(write_config(tmp_path), ["train.max_steps=20", "train.warmup_steps=50"])
+    assert warmup_outlasting_the_run(cfg.train) == (
+        "train.warmup_steps=50 is not below train.max_steps=20: the learning rate is still warming up when "
+        "the run ends and peaks at about 40% of train.lr. Fix: lower train.warmup_steps, or set "
+        "train.warmup_ratio (a share of the steps; 0.03 is common)"
+    )
+    for fine in (["train.warmup_steps=19"], ["train.warmup_steps=0", "train.warmup_ratio=0.5"]):
+        assert (
+            warmup_outlasting_the_run(
+                load_config(write_config(tmp_path), ["train.max_steps=20", *fine]).train
+            )
+            is None
+        )
 
 
 # -- refusals ----------------------------------------------------------------------------------

@@ -839,7 +839,8 @@ class TrainConfig(Section):
     )
     schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
         "cosine",
-        description="Learning-rate decay after warmup: cosine, linear, constant, or wsd (warmup-stable-decay: "
+        description="Learning-rate decay after warmup: cosine, linear, constant (HF's constant_with_warmup: "
+        "flat after the warmup), or wsd (warmup-stable-decay: "
         "the peak rate until the last train.decay_ratio of the steps, then a cosine decay; common for "
         "pretraining).",
     )

@@ -152,7 +152,23 @@ def schedule_arguments(cfg: TrainConfig) -> dict[str, Any]:
             "lr_scheduler_kwargs": {"min_lr_rate": cfg.min_lr_ratio},
             "warmup_steps": warmup,
         }
-    return {"lr_scheduler_type": cfg.schedule, "warmup_steps": warmup}
+    # HF's "constant" ignores warmup_steps (its "constant_with_warmup" is the one that warms up, and
+    # with no warmup it is constant from the first step): train.schedule constant is warmup, then flat.
+    name = "constant_with_warmup" if cfg.schedule == "constant" else cfg.schedule
+    return {"lr_scheduler_type": name, "warmup_steps": warmup}
+
+
+def warmup_outlasting_the_run(cfg: TrainConfig) -> str | None:
+    """The start banner's warning for a warmup of at least train.max_steps (a sweep's space that pairs
+    a long warmup with a short run, a max_steps lowered for a quick try): the learning rate is still
+    rising when the run ends and never reaches train.lr. None when the run outlasts its warmup."""
+    if cfg.max_steps is None or cfg.warmup_ratio is not None or cfg.warmup_steps < cfg.max_steps:
+        return None
+    return (
+        f"train.warmup_steps={cfg.warmup_steps} is not below train.max_steps={cfg.max_steps}: the learning rate "
+        f"is still warming up when the run ends and peaks at about {cfg.max_steps / cfg.warmup_steps:.0%} of "
+        "train.lr. Fix: lower train.warmup_steps, or set train.warmup_ratio (a share of the steps; 0.03 is common)"
+    )
 
 
 def memory_arguments(cfg: TrainConfig, *, on_gpu: bool) -> dict[str, Any]:

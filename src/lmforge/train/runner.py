@@ -38,6 +38,7 @@ from lmforge.monitor.events import EventLog
 from lmforge.monitor.metrics import MetricsLog
 from lmforge.monitor.run_monitor import open_run_monitor
 from lmforge.run_layout import RunPaths, read_json_object
+from lmforge.train.arguments import warmup_outlasting_the_run
 from lmforge.train.assembly import assemble_trainer
 from lmforge.train.callbacks import (
     MetricsCallback,
@@ -95,6 +96,9 @@ def run_training(
         refuse_fp8_plan(plan.engine, tensor_parallel=plan.layout.tensor)
     log.info("distributed: %s", plan.describe())
     log.info("%s", plan.optimizer_and_schedule(cfg.train))
+    warmup = warmup_outlasting_the_run(cfg.train) if plan.world.is_main else None
+    if warmup is not None and not (plan.deepspeed or {}).get("scheduler"):  # a DeepSpeed JSON's is its own
+        log.warning("%s", warmup)
     savers = describe_memory_savers(cfg.train)
     if savers:
         log.info("memory savers: %s", savers)
