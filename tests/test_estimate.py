@@ -225,6 +225,26 @@ def test_cli_bad_gpu_mem(tmp_path: Path) -> None:
     assert "--gpu-mem: size 'lots'" in result.output and "for example 5GB" in result.output
 
 
+@pytest.mark.usefixtures("unreachable_hub")
+def test_a_hub_model_without_a_network_or_a_directory_without_a_config_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a traceback after a minute of hub retries: exit 2, the key and the fix."""
+    monkeypatch.chdir(tmp_path)
+    config = str(_write_config(tmp_path))
+    Path(config).write_text(
+        Path(config).read_text().replace("preset: llama-tiny", "path: meta-llama/Llama-3.2-1B")
+    )
+    offline = CliRunner().invoke(_app(), ["estimate", config])
+    assert offline.exit_code == 2, offline.output
+    said = " ".join(offline.output.split())
+    assert "model.path: 'meta-llama/Llama-3.2-1B' is no local directory" in said
+    assert "`hf download meta-llama/Llama-3.2-1B --local-dir DIR`" in said
+    (tmp_path / "no-config").mkdir()
+    empty = CliRunner().invoke(_app(), ["estimate", config, f"model.path={tmp_path / 'no-config'}"])
+    assert empty.exit_code == 2 and "model.path: cannot read the config of" in " ".join(empty.output.split())
+
+
 def test_cli_says_which_gpu_memory_it_assumed(tmp_path: Path) -> None:
     """On a machine without a GPU the estimate is for 80 GB GPUs, and says so; a given size is used
     as given. (On a GPU host the default is that GPU's memory, recorded as detected.)"""

@@ -316,9 +316,7 @@ def test_hub_source_without_network_says_how_to_work_offline(monkeypatch: pytest
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert is_remote_source("hf://tatsu-lab/alpaca") and is_remote_source("tatsu-lab/alpaca")
     assert not is_remote_source("data/train.jsonl") and not is_remote_source("data/*.jsonl")
-    with pytest.raises(
-        UserInputError, match="could not stream it from the Hugging Face hub.*huggingface-cli download"
-    ):
+    with pytest.raises(UserInputError, match="could not stream it from the Hugging Face hub.*hf download"):
         list(
             iter_source_examples(SourceConfig(path="hf://lmforge-test/no-such-dataset"), memory_budget_mb=64)
         )

@@ -187,9 +187,7 @@ def test_bad_sources_are_refused_when_the_stream_is_built(
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(
-        UserInputError, match="could not stream it from the Hugging Face hub.*huggingface-cli"
-    ):
+    with pytest.raises(UserInputError, match="could not stream it from the Hugging Face hub.*hf download"):
         TextStream(
             [SourceConfig(path="hf://lmforge-test/no-such-dataset")], tokenizer, max_length=BLOCK, seed=0
         )

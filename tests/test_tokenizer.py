@@ -133,7 +133,9 @@ def test_a_missing_relative_directory_is_not_looked_up_on_an_unreachable_hub(
         f"model.path: 'runs/calc-tokenizer' is no local directory ({tmp_path}/runs/calc-tokenizer does "
         "not exist), and as a hub id it cannot be looked up: the Hugging Face hub (127.0.0.1) cannot be "
         "reached (Connection refused). Fix: make that directory first (a previous step's run), point "
-        "tokenizer.path (or model.path) at one with tokenizer.json, or set tokenizer.train to train one."
+        "tokenizer.path (or model.path) at one with tokenizer.json, or set tokenizer.train to train one. A "
+        "hub model: download it where a network exists (`hf download runs/calc-tokenizer --local-dir DIR`) "
+        "and set model.path to DIR."
     )
     assert not [r for r in caplog.records if r.name.startswith("huggingface_hub")]  # no retries
     hub_unreachable_reason.cache_clear()

@@ -61,5 +61,6 @@ def not_here_and_no_hub(key: str, name: str, fix: str) -> str | None:
     where = Path(name).expanduser().absolute()
     return (
         f"{key}: {name!r} is no local directory ({where} does not exist), and as a hub id it cannot be "
-        f"looked up: {reason}. Fix: {fix}"
+        f"looked up: {reason}. Fix: {fix} A hub model: download it where a network exists "
+        f"(`hf download {name} --local-dir DIR`) and set {key} to DIR."
     )

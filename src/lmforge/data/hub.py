@@ -64,7 +64,7 @@ def hub_unreachable(path: str, err: Exception) -> UserInputError:
     name = path.removeprefix(HUB_PREFIX)
     return UserInputError(
         f"data source {path!r}: could not stream it from the Hugging Face hub ({detail}). lmforge needs no "
-        f"network: download it where one exists (`huggingface-cli download {name} --repo-type dataset "
+        f"network: download it where one exists (`hf download {name} --repo-type dataset "
         "--local-dir DIR`) and set the source path to the files in DIR."
     )
 

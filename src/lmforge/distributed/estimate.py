@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
+from lmforge.config.hub_names import not_here_and_no_hub
 from lmforge.config.schema import CHUNKED_LOSS_TOKENS, LmforgeConfig, OptimizerConfig
 from lmforge.errors import UserInputError
 from lmforge.models.build import architecture_kwargs, config_for_model
@@ -262,7 +263,17 @@ def _shared_expert_width(text_config: Any) -> int:
 def _hf_config(config: LmforgeConfig) -> Any:
     cfg = config.model
     if cfg.path:
-        return AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+        fix = "point model.path at a HF model directory (its config.json is all the estimate reads)"
+        offline = not_here_and_no_hub("model.path", cfg.path, f"{fix[0].upper()}{fix[1:]}.")
+        if offline:
+            raise UserInputError(offline)
+        try:
+            return AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+        except (OSError, ValueError) as err:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UserInputError(
+                f"model.path: cannot read the config of {cfg.path!r} ({reason}). Fix: {fix}"
+            ) from None
     if cfg.preset in VISION_PRESETS:
         if cfg.config:
             raise UserInputError(
