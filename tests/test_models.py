@@ -106,11 +106,25 @@ def test_a_score_head_on_a_causal_lm_is_one_line_and_a_missing_body_weight_is_na
 def test_a_model_path_not_made_yet_fails_at_once_without_a_hub(
     tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Refused at once without a hub, unless the hub id was downloaded before: a model in the local hub
+    cache loads offline, as transformers loads it."""
+    import huggingface_hub
+
     monkeypatch.chdir(tmp_path)
     with pytest.raises(
         UserInputError, match=r"^model.path: 'runs/sft' is no local directory .*Connection refused"
     ):
         build_model(ModelConfig(path="runs/sft"), tokenizer, max_length=64)
+    cache = tmp_path / "hub-cache"
+    snapshot = cache / "models--owner--tiny" / "snapshots" / ("0" * 40)
+    build_model(ModelConfig(preset="llama-tiny"), tokenizer, max_length=64).save_pretrained(snapshot)
+    (cache / "models--owner--tiny" / "refs").mkdir()
+    (cache / "models--owner--tiny" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(
+        huggingface_hub.constants, "HF_HUB_OFFLINE", True
+    )  # HF_HUB_OFFLINE=1, as read at import
+    assert build_model(ModelConfig(path="owner/tiny"), tokenizer, max_length=64).config.model_type == "llama"
 
 
 def test_bin_weights_need_explicit_opt_in(tokenizer, tmp_path: Path) -> None:

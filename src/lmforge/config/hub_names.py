@@ -50,10 +50,24 @@ def hub_unreachable_reason() -> str | None:
         return f"the Hugging Face hub ({host}) cannot be reached ({err.strerror or type(err).__name__})"
 
 
+def in_hub_cache(name: str) -> bool:
+    """A hub model (or tokenizer) downloaded before: its config in the local hub cache, which
+    transformers reads without a network."""
+    from huggingface_hub import try_to_load_from_cache
+
+    for filename in ("config.json", "tokenizer_config.json"):
+        try:
+            if isinstance(try_to_load_from_cache(name, filename), str):
+                return True
+        except ValueError:  # not a valid repo id after all (huggingface_hub's HFValidationError)
+            return False
+    return False
+
+
 def not_here_and_no_hub(key: str, name: str, fix: str) -> str | None:
     """The error for a `key` naming `name` that is no local directory, when the hub is unreachable
-    too (None when `name` exists, is no hub id, or the hub can be reached)."""
-    if not is_hub_id(name):
+    too (None when `name` exists, is no hub id, is in the local hub cache, or the hub can be reached)."""
+    if not is_hub_id(name) or in_hub_cache(name):
         return None
     reason = hub_unreachable_reason()
     if reason is None:
