@@ -133,17 +133,9 @@ def unreachable_hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     whether or not the machine has a network."""
     import huggingface_hub
 
-    from lmforge.config.hub_names import hub_unreachable_reason
+    from lmforge.config.hub_names import PROXY_VARIABLES, hub_unreachable_reason
 
-    for variable in (
-        "HF_HUB_OFFLINE",
-        "HTTPS_PROXY",
-        "https_proxy",
-        "HTTP_PROXY",
-        "http_proxy",
-        "ALL_PROXY",
-        "all_proxy",
-    ):
+    for variable in ("HF_HUB_OFFLINE", *PROXY_VARIABLES):
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens
     hub_unreachable_reason.cache_clear()

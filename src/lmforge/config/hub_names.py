@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 # A hub id is `name` or `owner/name`; anything else (absolute, ./, ~, three parts) is a local path.
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _OFFLINE_VALUES = ("1", "true", "yes", "on")
-_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 # Long enough for a slow but working network to connect, short where it only times out.
 PROBE_TIMEOUT_S = 3.0
 
@@ -36,7 +36,7 @@ def hub_unreachable_reason() -> str | None:
     endpoint), or None when it can. Asked once per process."""
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _OFFLINE_VALUES:
         return "HF_HUB_OFFLINE is set"
-    if any(os.environ.get(name) for name in _PROXY_VARIABLES):
+    if any(os.environ.get(name) for name in PROXY_VARIABLES):
         return None  # the hub is reached through the proxy, which a direct connection would bypass
     from huggingface_hub import constants
 

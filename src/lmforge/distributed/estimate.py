@@ -264,7 +264,7 @@ def _hf_config(config: LmforgeConfig) -> Any:
     cfg = config.model
     if cfg.path:
         fix = "point model.path at a HF model directory (its config.json is all the estimate reads)"
-        offline = not_here_and_no_hub("model.path", cfg.path, f"{fix[0].upper()}{fix[1:]}.")
+        offline = not_here_and_no_hub("model.path", cfg.path, f"Set model.path to a local copy; {fix}.")
         if offline:
             raise UserInputError(offline)
         try:

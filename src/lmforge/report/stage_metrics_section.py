@@ -115,7 +115,7 @@ def _families(run: RunSummary) -> list[tuple[str, list[str]]]:
     spec = STAGE_SPECS.get(run.stage)
     if spec is not None and spec.metric_prefixes:
         keys = stage_metric_keys(run, spec.metric_prefixes)
-        title = STAGE_TITLES[run.stage]
+        title = STAGE_TITLES.get(run.stage, f"{run.stage} metrics")  # a stage added without a title
         if title == RL_TITLE:
             keys = rl_chart_order(run, keys)
         elif title == RM_TITLE:
